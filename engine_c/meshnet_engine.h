@@ -1,0 +1,138 @@
+/*
+ * meshnet engine: one pipeline stage of a GGUF model, a contiguous layer range
+ * [layer_start, layer_end), over the pinned and patched llama.cpp.
+ *
+ * The head stage (layer_start == 0) takes token ids; any other stage takes the
+ * residual stream (f32, n_tokens x n_embd) that the previous stage returned. A stage
+ * before the tail returns the residual after its last layer for every token; the tail
+ * returns the last token's logits and greedy token per entry.
+ *
+ * Every call returns a meshnet_status; on failure the stage's last error says what
+ * went wrong in words (meshnet_stage_last_error). No C++ exception crosses this ABI.
+ * A stage is used by one thread at a time, except meshnet_stage_abort which any
+ * thread may call. Two stages share nothing.
+ */
+#ifndef MESHNET_ENGINE_H
+#define MESHNET_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MESHNET_ENGINE_ABI_VERSION 1
+
+#if defined(__GNUC__)
+#define MESHNET_API __attribute__((visibility("default")))
+#else
+#define MESHNET_API
+#endif
+
+typedef enum {
+    MESHNET_OK                    = 0,
+    MESHNET_ERR_INVALID_ARGUMENT  = 1,  /* a parameter is missing or out of its range */
+    MESHNET_ERR_NOT_GGUF          = 2,  /* the file is missing or is not a GGUF model */
+    MESHNET_ERR_MODEL_LOAD        = 3,  /* llama.cpp could not load the model */
+    MESHNET_ERR_UNSUPPORTED_ARCH  = 4,  /* the architecture cannot be split yet */
+    MESHNET_ERR_BAD_RANGE         = 5,  /* layer range empty or outside the model */
+    MESHNET_ERR_BAD_TOKEN         = 6,  /* token id outside the vocabulary */
+    MESHNET_ERR_BAD_WIDTH         = 7,  /* residual rows not n_embd wide */
+    MESHNET_ERR_CONTEXT_FULL      = 8,  /* position past the session's context */
+    MESHNET_ERR_UNKNOWN_SESSION   = 9,
+    MESHNET_ERR_TOO_MANY_SESSIONS = 10,
+    MESHNET_ERR_ABORTED           = 11, /* meshnet_stage_abort stopped the forward pass */
+    MESHNET_ERR_DECODE            = 12, /* llama.cpp failed to compute the batch */
+    MESHNET_ERR_BUFFER_TOO_SMALL  = 13,
+    MESHNET_ERR_INTERNAL          = 14
+} meshnet_status;
+
+typedef struct meshnet_stage meshnet_stage;
+
+typedef struct {
+    const char * model_path;
+    int32_t layer_start;   /* both 0: the whole model */
+    int32_t layer_end;
+    int32_t n_ctx;         /* tokens of context per session */
+    int32_t max_sessions;  /* sessions that can hold KV at once */
+    int32_t n_batch;       /* most tokens in one forward call */
+    int32_t n_ubatch;      /* physical batch: longer calls run in chunks of this; 0 = n_batch */
+    int32_t n_threads;     /* 0 = one per core */
+} meshnet_stage_params;
+
+typedef struct {
+    char     arch[32];
+    int32_t  n_layer;
+    int32_t  n_embd;
+    int32_t  n_vocab;
+    int32_t  layer_start;
+    int32_t  layer_end;
+    int32_t  is_head;
+    int32_t  is_tail;
+    int32_t  n_ctx;           /* per session */
+    int32_t  max_sessions;
+    int32_t  n_batch;
+    int32_t  n_sessions;      /* sessions open now */
+    uint64_t model_bytes;     /* weight bytes this stage allocated */
+    uint64_t kv_bytes;        /* KV cache bytes allocated (all sessions) */
+    uint64_t kv_bytes_used;   /* KV bytes holding tokens of open sessions */
+    uint64_t compute_bytes;   /* scratch buffers for the forward pass */
+} meshnet_stage_info;
+
+/* One session's input in a forward batch. The head passes token ids; any other
+ * stage passes n_tokens residual rows of embd_width floats each. */
+typedef struct {
+    uint64_t        session_id;
+    int32_t         pos;         /* position of the first row: the session's length so far */
+    int32_t         n_tokens;
+    const int32_t * tokens;
+    const float   * embd;
+    int32_t         embd_width;
+} meshnet_entry;
+
+/* Caller-owned output buffers. A stage before the tail fills residual with one row of
+ * n_embd floats per input row, in entry order. The tail fills greedy[e] and, when
+ * logits is not NULL, logits[e * n_vocab ...] with entry e's last-row logits. */
+typedef struct {
+    float   * residual;
+    float   * logits;
+    int32_t * greedy;
+} meshnet_output;
+
+MESHNET_API int32_t      meshnet_engine_abi_version(void);
+/* "llama.cpp@<commit> sdist=<sha256> patches=<sha256>" */
+MESHNET_API const char * meshnet_engine_pin(void);
+
+/* On failure *out is NULL and err (err_cap bytes, may be NULL) holds the reason. */
+MESHNET_API meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out,
+                                  char * err, size_t err_cap);
+MESHNET_API void           meshnet_stage_close(meshnet_stage * stage);
+MESHNET_API const char *   meshnet_stage_last_error(const meshnet_stage * stage);
+MESHNET_API meshnet_status meshnet_stage_info_get(meshnet_stage * stage, meshnet_stage_info * info);
+
+MESHNET_API meshnet_status meshnet_session_open    (meshnet_stage * stage, uint64_t session_id);
+MESHNET_API meshnet_status meshnet_session_release (meshnet_stage * stage, uint64_t session_id);
+MESHNET_API meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep);
+MESHNET_API meshnet_status meshnet_session_length  (meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens);
+
+MESHNET_API meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries,
+                                     int32_t n_entries, meshnet_output * out);
+/* Ask the forward pass running now to stop (thread-safe); it returns MESHNET_ERR_ABORTED
+ * and the aborted tokens are not kept in the session. */
+MESHNET_API void           meshnet_stage_abort(meshnet_stage * stage);
+
+/* Tokenizing as llama.cpp does for this model. *n_out is the count written, or the
+ * count needed when the call returns MESHNET_ERR_BUFFER_TOO_SMALL. */
+MESHNET_API meshnet_status meshnet_tokenize(meshnet_stage * stage, const char * text, int32_t text_len,
+                                int32_t add_special, int32_t parse_special,
+                                int32_t * tokens, int32_t capacity, int32_t * n_out);
+MESHNET_API meshnet_status meshnet_detokenize(meshnet_stage * stage, const int32_t * tokens, int32_t n_tokens,
+                                  char * text, int32_t capacity, int32_t * n_out);
+MESHNET_API int32_t        meshnet_token_is_eog(meshnet_stage * stage, int32_t token);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MESHNET_ENGINE_H */

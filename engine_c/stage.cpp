@@ -1,0 +1,621 @@
+// One pipeline stage over the patched llama.cpp: open, forward, sessions, tokens.
+// Each entry point is a straight path; every llama.cpp failure is checked where it
+// happens and becomes a status plus a sentence in the stage's last error.
+
+#include "meshnet_engine.h"
+
+#include "gguf.h"
+#include "llama.h"
+#include "llama-ext.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifndef MESHNET_LLAMA_COMMIT
+#define MESHNET_LLAMA_COMMIT "unknown"
+#endif
+#ifndef MESHNET_SDIST_SHA256
+#define MESHNET_SDIST_SHA256 "unknown"
+#endif
+#ifndef MESHNET_PATCHES_SHA256
+#define MESHNET_PATCHES_SHA256 "unknown"
+#endif
+
+namespace {
+
+// llama.cpp reports load failures only through its log; keep the errors of the call
+// running on this thread so they can become the stage's error message.
+thread_local std::string tl_llama_errors;
+
+void log_to_thread(enum ggml_log_level level, const char * text, void *) {
+    static const bool echo = std::getenv("MESHNET_LLAMA_LOG") != nullptr;
+    if (echo) {
+        std::fputs(text, stderr);
+    }
+    if (level == GGML_LOG_LEVEL_ERROR && tl_llama_errors.size() < 4096) {
+        tl_llama_errors += text;
+    }
+}
+
+void init_llama_once() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(log_to_thread, nullptr);
+        llama_backend_init();
+    });
+}
+
+std::string format(const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    std::vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    return buf;
+}
+
+std::string trimmed(std::string s) {
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) {
+        s.pop_back();
+    }
+    return s;
+}
+
+bool arch_can_split(const std::string & arch) {
+    return arch == "llama" || arch == "qwen2" || arch == "qwen3";
+}
+
+struct session_slot {
+    bool     open     = false;
+    uint64_t id       = 0;
+    int32_t  n_tokens = 0;
+};
+
+// what the GGUF header says, read before llama.cpp loads anything
+struct gguf_summary {
+    std::string arch;
+    int32_t     n_layer = 0;
+};
+
+meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & err) {
+    FILE * f = std::fopen(path, "rb");
+    if (!f) {
+        err = format("cannot open model file '%s': %s", path, std::strerror(errno));
+        return MESHNET_ERR_NOT_GGUF;
+    }
+    char magic[4] = {0};
+    const size_t n_read = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (n_read != 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+        err = format("'%s' is not a GGUF model file (no GGUF magic)", path);
+        return MESHNET_ERR_NOT_GGUF;
+    }
+
+    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * gctx = gguf_init_from_file(path, gparams);
+    if (!gctx) {
+        err = format("'%s' is not a readable GGUF model file: %s", path, trimmed(tl_llama_errors).c_str());
+        return MESHNET_ERR_NOT_GGUF;
+    }
+    const int64_t arch_id = gguf_find_key(gctx, "general.architecture");
+    if (arch_id < 0 || gguf_get_kv_type(gctx, arch_id) != GGUF_TYPE_STRING) {
+        gguf_free(gctx);
+        err = format("'%s' has no general.architecture: not a language model GGUF", path);
+        return MESHNET_ERR_NOT_GGUF;
+    }
+    out.arch = gguf_get_val_str(gctx, arch_id);
+    const int64_t layers_id = gguf_find_key(gctx, (out.arch + ".block_count").c_str());
+    if (layers_id >= 0 && gguf_get_kv_type(gctx, layers_id) == GGUF_TYPE_UINT32) {
+        out.n_layer = (int32_t) gguf_get_val_u32(gctx, layers_id);
+    }
+    gguf_free(gctx);
+    return MESHNET_OK;
+}
+
+} // namespace
+
+struct meshnet_stage {
+    llama_model         * model = nullptr;
+    llama_context       * ctx   = nullptr;
+    const llama_vocab   * vocab = nullptr;
+    llama_batch_ext     * batch = nullptr;
+
+    meshnet_stage_info        info = {};
+    std::vector<session_slot> slots;          // index = llama sequence id
+    std::atomic<bool>         abort_requested{false};
+    std::string               last_error;
+
+    meshnet_status fail(meshnet_status status, std::string message) {
+        last_error = std::move(message);
+        return status;
+    }
+
+    session_slot * find(uint64_t session_id) {
+        for (auto & slot : slots) {
+            if (slot.open && slot.id == session_id) {
+                return &slot;
+            }
+        }
+        return nullptr;
+    }
+
+    llama_seq_id seq_of(const session_slot * slot) const {
+        return (llama_seq_id) (slot - slots.data());
+    }
+};
+
+namespace {
+
+bool abort_callback(void * data) {
+    return static_cast<meshnet_stage *>(data)->abort_requested.load(std::memory_order_relaxed);
+}
+
+void write_error(char * err, size_t err_cap, const std::string & message) {
+    if (err && err_cap > 0) {
+        std::snprintf(err, err_cap, "%s", message.c_str());
+    }
+}
+
+meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage, std::string & err) {
+    if (!p || !p->model_path) {
+        err = "stage parameters and a model path are required";
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    if (p->n_ctx < 1 || p->max_sessions < 1 || p->max_sessions > 256 || p->n_batch < 1 ||
+        p->n_ubatch < 0 || p->n_threads < 0) {
+        err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
+                     "n_ubatch=%d (>= 0), n_threads=%d (>= 0)",
+                     p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+
+    gguf_summary summary;
+    meshnet_status status = probe_gguf(p->model_path, summary, err);
+    if (status != MESHNET_OK) {
+        return status;
+    }
+
+    const bool whole_requested = p->layer_start == 0 && p->layer_end == 0;
+    const int32_t il_start = p->layer_start;
+    const int32_t il_end   = whole_requested ? summary.n_layer : p->layer_end;
+    if (il_start < 0 || il_end <= il_start || il_end > summary.n_layer) {
+        err = format("layer range [%d, %d) is not a non-empty range inside the model's %d layers",
+                     il_start, il_end, summary.n_layer);
+        return MESHNET_ERR_BAD_RANGE;
+    }
+    // the whole range runs the stock graph, so any architecture llama.cpp knows works
+    const bool ranged = !(il_start == 0 && il_end == summary.n_layer);
+    if (ranged && !arch_can_split(summary.arch)) {
+        err = format("architecture '%s' cannot be split yet (splitting supports llama, qwen2, qwen3); "
+                     "run it whole with the range [0, %d)", summary.arch.c_str(), summary.n_layer);
+        return MESHNET_ERR_UNSUPPORTED_ARCH;
+    }
+
+    llama_model_params mparams = llama_model_default_params();
+    // read only this stage's tensors into its own buffers: memory is the stage's share
+    mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
+    mparams.layer_start = ranged ? il_start : 0;
+    mparams.layer_end   = ranged ? il_end   : 0;
+    stage->model = llama_model_load_from_file(p->model_path, mparams);
+    if (!stage->model) {
+        err = format("llama.cpp could not load '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
+        return MESHNET_ERR_MODEL_LOAD;
+    }
+    stage->vocab = llama_model_get_vocab(stage->model);
+
+    const bool is_tail = il_end == summary.n_layer;
+    const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx           = (uint32_t) p->n_ctx * (uint32_t) p->max_sessions;
+    cparams.n_seq_max       = (uint32_t) p->max_sessions;
+    cparams.kv_unified      = false;   // each session attends over its own cells only
+    cparams.n_batch         = (uint32_t) p->n_batch;
+    cparams.n_ubatch        = (uint32_t) (p->n_ubatch > 0 ? std::min(p->n_ubatch, p->n_batch) : p->n_batch);
+    cparams.n_threads       = n_threads;
+    cparams.n_threads_batch = n_threads;
+    cparams.embeddings      = !is_tail;  // before the tail the residual of every token is the output
+    cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
+    cparams.no_perf         = true;
+    cparams.abort_callback      = abort_callback;
+    cparams.abort_callback_data = stage;
+    stage->ctx = llama_init_from_model(stage->model, cparams);
+    if (!stage->ctx) {
+        err = format("llama.cpp could not create a context for '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
+        return MESHNET_ERR_MODEL_LOAD;
+    }
+    stage->batch = llama_batch_ext_init(stage->ctx);
+    if (!stage->batch) {
+        err = "llama.cpp could not allocate a batch";
+        return MESHNET_ERR_INTERNAL;
+    }
+    stage->slots.resize(p->max_sessions);
+
+    meshnet_stage_info & info = stage->info;
+    std::snprintf(info.arch, sizeof(info.arch), "%s", summary.arch.c_str());
+    info.n_layer      = summary.n_layer;
+    info.n_embd       = llama_model_n_embd(stage->model);
+    info.n_vocab      = llama_vocab_n_tokens(stage->vocab);
+    info.layer_start  = il_start;
+    info.layer_end    = il_end;
+    info.is_head      = il_start == 0;
+    info.is_tail      = is_tail;
+    info.n_ctx        = p->n_ctx;
+    info.max_sessions = p->max_sessions;
+    info.n_batch      = p->n_batch;
+    return MESHNET_OK;
+}
+
+meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32_t index) {
+    const meshnet_stage_info & info = stage->info;
+    session_slot * slot = stage->find(e.session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION,
+                format("entry %d: session %llu is not open on this stage", index, (unsigned long long) e.session_id));
+    }
+    if (e.n_tokens < 1) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("entry %d: n_tokens is %d, needs at least 1", index, e.n_tokens));
+    }
+    if (e.pos != slot->n_tokens) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("entry %d: position %d does not follow session %llu, which holds %d tokens",
+                       index, e.pos, (unsigned long long) e.session_id, slot->n_tokens));
+    }
+    if ((int64_t) e.pos + e.n_tokens > info.n_ctx) {
+        return stage->fail(MESHNET_ERR_CONTEXT_FULL,
+                format("entry %d: positions %d..%d are past the context of %d tokens per session",
+                       index, e.pos, e.pos + e.n_tokens - 1, info.n_ctx));
+    }
+    if (info.is_head) {
+        if (!e.tokens) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("entry %d: the head stage takes token ids", index));
+        }
+        for (int32_t i = 0; i < e.n_tokens; ++i) {
+            if (e.tokens[i] < 0 || e.tokens[i] >= info.n_vocab) {
+                return stage->fail(MESHNET_ERR_BAD_TOKEN,
+                        format("entry %d: token id %d is outside the vocabulary [0, %d)", index, e.tokens[i], info.n_vocab));
+            }
+        }
+    } else {
+        if (!e.embd) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                    format("entry %d: stage [%d, %d) takes residual rows, not token ids", index, info.layer_start, info.layer_end));
+        }
+        if (e.embd_width != info.n_embd) {
+            return stage->fail(MESHNET_ERR_BAD_WIDTH,
+                    format("entry %d: residual rows are %d wide, this model's n_embd is %d", index, e.embd_width, info.n_embd));
+        }
+    }
+    return MESHNET_OK;
+}
+
+meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
+    const meshnet_stage_info & info = stage->info;
+    if (!entries || n_entries < 1 || !out) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "forward needs at least one entry and an output");
+    }
+    if (info.is_tail ? !out->greedy : !out->residual) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                info.is_tail ? "the tail stage needs a greedy output buffer" : "this stage needs a residual output buffer");
+    }
+
+    int64_t n_rows = 0;
+    for (int32_t i = 0; i < n_entries; ++i) {
+        meshnet_status status = check_entry(stage, entries[i], i);
+        if (status != MESHNET_OK) {
+            return status;
+        }
+        for (int32_t j = 0; j < i; ++j) {
+            if (entries[j].session_id == entries[i].session_id) {
+                return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                        format("entries %d and %d name the same session %llu", j, i, (unsigned long long) entries[i].session_id));
+            }
+        }
+        n_rows += entries[i].n_tokens;
+    }
+    if (n_rows > info.n_batch) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("a forward call of %lld rows is larger than the stage's n_batch of %d", (long long) n_rows, info.n_batch));
+    }
+
+    llama_batch_ext_clear(stage->batch);
+    std::vector<int32_t> last_row(n_entries);
+    for (int32_t i = 0; i < n_entries; ++i) {
+        const meshnet_entry & e = entries[i];
+        const llama_seq_id seq = stage->seq_of(stage->find(e.session_id));
+        for (int32_t t = 0; t < e.n_tokens; ++t) {
+            const int32_t idx = info.is_head
+                ? llama_batch_ext_add_token(stage->batch, seq, e.tokens[t])
+                : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.n_embd, 1, (size_t) info.n_embd });
+            if (idx < 0) {
+                return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
+            }
+            const llama_pos pos = e.pos + t;
+            llama_batch_ext_set_pos(stage->batch, idx, &pos);
+            last_row[i] = idx;
+        }
+        if (info.is_tail) {
+            llama_batch_ext_set_output_logits(stage->batch, last_row[i], true);
+        }
+    }
+
+    stage->abort_requested.store(false);
+    const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
+    if (rc != 0) {
+        // a failed or aborted batch may have left some rows in the KV cache: drop them
+        llama_memory_t mem = llama_get_memory(stage->ctx);
+        for (int32_t i = 0; i < n_entries; ++i) {
+            llama_memory_seq_rm(mem, stage->seq_of(stage->find(entries[i].session_id)), entries[i].pos, -1);
+        }
+        if (rc == 2) {
+            return stage->fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
+        }
+        if (rc == 1) {
+            return stage->fail(MESHNET_ERR_CONTEXT_FULL, "no room in the KV cache for this batch");
+        }
+        return stage->fail(MESHNET_ERR_DECODE, format("llama.cpp failed to compute the batch (code %d): %s",
+                    rc, trimmed(tl_llama_errors).c_str()));
+    }
+
+    if (info.is_tail) {
+        for (int32_t i = 0; i < n_entries; ++i) {
+            const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
+            if (!logits) {
+                return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
+            }
+            int32_t best = 0;
+            for (int32_t v = 1; v < info.n_vocab; ++v) {
+                if (logits[v] > logits[best]) {
+                    best = v;
+                }
+            }
+            out->greedy[i] = best;
+            if (out->logits) {
+                std::memcpy(out->logits + (size_t) i * info.n_vocab, logits, sizeof(float) * info.n_vocab);
+            }
+        }
+    } else {
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const float * row = llama_get_embeddings_ith(stage->ctx, (int32_t) r);
+            if (!row) {
+                return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
+            }
+            std::memcpy(out->residual + (size_t) r * info.n_embd, row, sizeof(float) * info.n_embd);
+        }
+    }
+
+    for (int32_t i = 0; i < n_entries; ++i) {
+        stage->find(entries[i].session_id)->n_tokens += entries[i].n_tokens;
+    }
+    return MESHNET_OK;
+}
+
+} // namespace
+
+extern "C" {
+
+int32_t meshnet_engine_abi_version(void) {
+    return MESHNET_ENGINE_ABI_VERSION;
+}
+
+const char * meshnet_engine_pin(void) {
+    return "llama.cpp@" MESHNET_LLAMA_COMMIT " sdist=" MESHNET_SDIST_SHA256 " patches=" MESHNET_PATCHES_SHA256;
+}
+
+meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out, char * err, size_t err_cap) {
+    if (!out) {
+        write_error(err, err_cap, "meshnet_stage_open needs an output pointer");
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    *out = nullptr;
+    init_llama_once();
+    tl_llama_errors.clear();
+
+    meshnet_stage * stage = nullptr;
+    std::string message;
+    meshnet_status status;
+    try {
+        stage = new meshnet_stage();
+        status = open_stage(params, stage, message);
+    } catch (const std::exception & e) {
+        status = MESHNET_ERR_INTERNAL;
+        message = format("unexpected error opening the stage: %s", e.what());
+    } catch (...) {
+        status = MESHNET_ERR_INTERNAL;
+        message = "unexpected error opening the stage";
+    }
+    if (status != MESHNET_OK) {
+        meshnet_stage_close(stage);
+        write_error(err, err_cap, message);
+        return status;
+    }
+    *out = stage;
+    return MESHNET_OK;
+}
+
+void meshnet_stage_close(meshnet_stage * stage) {
+    if (!stage) {
+        return;
+    }
+    if (stage->batch) {
+        llama_batch_ext_free(stage->batch);
+    }
+    if (stage->ctx) {
+        llama_free(stage->ctx);
+    }
+    if (stage->model) {
+        llama_model_free(stage->model);
+    }
+    delete stage;
+}
+
+const char * meshnet_stage_last_error(const meshnet_stage * stage) {
+    return stage ? stage->last_error.c_str() : "no stage";
+}
+
+meshnet_status meshnet_stage_info_get(meshnet_stage * stage, meshnet_stage_info * info) {
+    if (!stage || !info) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    try {
+        uint64_t model_bytes = 0, kv_bytes = 0, compute_bytes = 0;
+        for (const auto & [buft, mb] : llama_get_memory_breakdown(stage->ctx)) {
+            (void) buft;
+            model_bytes   += mb.model;
+            kv_bytes      += mb.context;
+            compute_bytes += mb.compute;
+        }
+        int64_t tokens_held = 0;
+        int32_t n_sessions  = 0;
+        for (const auto & slot : stage->slots) {
+            if (slot.open) {
+                n_sessions  += 1;
+                tokens_held += slot.n_tokens;
+            }
+        }
+        stage->info.model_bytes   = model_bytes;
+        stage->info.kv_bytes      = kv_bytes;
+        stage->info.compute_bytes = compute_bytes;
+        stage->info.n_sessions    = n_sessions;
+        // every KV cell has the same size: a session holding n tokens uses n cells
+        const uint64_t n_cells = llama_n_ctx(stage->ctx);
+        stage->info.kv_bytes_used = n_cells ? kv_bytes / n_cells * (uint64_t) tokens_held : 0;
+        *info = stage->info;
+        return MESHNET_OK;
+    } catch (const std::exception & e) {
+        return stage->fail(MESHNET_ERR_INTERNAL, format("reading the stage's memory use failed: %s", e.what()));
+    }
+}
+
+meshnet_status meshnet_session_open(meshnet_stage * stage, uint64_t session_id) {
+    if (!stage) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    if (stage->find(session_id)) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("session %llu is already open", (unsigned long long) session_id));
+    }
+    for (auto & slot : stage->slots) {
+        if (!slot.open) {
+            llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(&slot), -1, -1);
+            slot = { true, session_id, 0 };
+            return MESHNET_OK;
+        }
+    }
+    return stage->fail(MESHNET_ERR_TOO_MANY_SESSIONS,
+            format("all %d session slots of this stage are in use", stage->info.max_sessions));
+}
+
+meshnet_status meshnet_session_release(meshnet_stage * stage, uint64_t session_id) {
+    if (!stage) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), -1, -1);
+    *slot = session_slot();
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep) {
+    if (!stage) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    if (n_keep < 0 || n_keep > slot->n_tokens) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("cannot keep %d tokens of session %llu, which holds %d", n_keep, (unsigned long long) session_id, slot->n_tokens));
+    }
+    llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), n_keep, -1);
+    slot->n_tokens = n_keep;
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_session_length(meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens) {
+    if (!stage || !n_tokens) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    *n_tokens = slot->n_tokens;
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
+    if (!stage) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    tl_llama_errors.clear();
+    try {
+        return forward(stage, entries, n_entries, out);
+    } catch (const std::exception & e) {
+        return stage->fail(MESHNET_ERR_INTERNAL, format("unexpected error in the forward pass: %s", e.what()));
+    } catch (...) {
+        return stage->fail(MESHNET_ERR_INTERNAL, "unexpected error in the forward pass");
+    }
+}
+
+void meshnet_stage_abort(meshnet_stage * stage) {
+    if (stage) {
+        stage->abort_requested.store(true);
+    }
+}
+
+meshnet_status meshnet_tokenize(meshnet_stage * stage, const char * text, int32_t text_len,
+                                int32_t add_special, int32_t parse_special,
+                                int32_t * tokens, int32_t capacity, int32_t * n_out) {
+    if (!stage || !text || text_len < 0 || capacity < 0 || !n_out || (capacity > 0 && !tokens)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    const int32_t n = llama_tokenize(stage->vocab, text, text_len, tokens, capacity, add_special != 0, parse_special != 0);
+    if (n == INT32_MIN) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "the text is too long to tokenize");
+    }
+    if (n < 0) {
+        *n_out = -n;
+        return stage->fail(MESHNET_ERR_BUFFER_TOO_SMALL, format("tokenizing needs room for %d tokens", -n));
+    }
+    *n_out = n;
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_detokenize(meshnet_stage * stage, const int32_t * tokens, int32_t n_tokens,
+                                  char * text, int32_t capacity, int32_t * n_out) {
+    if (!stage || n_tokens < 0 || (n_tokens > 0 && !tokens) || capacity < 0 || !n_out || (capacity > 0 && !text)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= stage->info.n_vocab) {
+            return stage->fail(MESHNET_ERR_BAD_TOKEN,
+                    format("token id %d is outside the vocabulary [0, %d)", tokens[i], stage->info.n_vocab));
+        }
+    }
+    const int32_t n = llama_detokenize(stage->vocab, tokens, n_tokens, text, capacity, false, false);
+    if (n < 0) {
+        *n_out = -n;
+        return stage->fail(MESHNET_ERR_BUFFER_TOO_SMALL, format("the text needs %d bytes", -n));
+    }
+    *n_out = n;
+    return MESHNET_OK;
+}
+
+int32_t meshnet_token_is_eog(meshnet_stage * stage, int32_t token) {
+    return stage && token >= 0 && token < stage->info.n_vocab && llama_vocab_is_eog(stage->vocab, token);
+}
+
+} // extern "C"

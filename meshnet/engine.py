@@ -1,0 +1,320 @@
+"""cffi (ABI mode) binding of the meshnet engine: one pipeline stage of a GGUF model.
+
+This module knows nothing of sockets or routes; it turns token ids or residual rows
+into residual rows or logits, with numpy arrays in and out and no needless copies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from cffi import FFI
+
+from .errors import MeshnetError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
+DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
+ABI_VERSION = 1
+
+# meshnet_status values, as the codes every layer of meshnet uses
+STATUS_CODES = {
+    1: "invalid_argument",
+    2: "not_gguf",
+    3: "model_load",
+    4: "unsupported_arch",
+    5: "bad_range",
+    6: "bad_token",
+    7: "bad_width",
+    8: "context_full",
+    9: "unknown_session",
+    10: "too_many_sessions",
+    11: "aborted",
+    12: "decode_failed",
+    13: "buffer_too_small",
+    14: "internal",
+}
+
+
+def _cdef_from_header(text: str) -> str:
+    """The header is the one definition of the ABI: feed it to cffi without the
+    compiler-specific blocks (extern "C", the visibility macro) that cffi does not parse."""
+    out, skip_depth, depth = [], None, 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#if"):
+            depth += 1
+            if skip_depth is None and ("__cplusplus" in stripped or "__GNUC__" in stripped):
+                skip_depth = depth
+            continue
+        if stripped.startswith("#endif"):
+            if skip_depth == depth:
+                skip_depth = None
+            depth -= 1
+            continue
+        if skip_depth is not None:
+            continue
+        if stripped.startswith("#") and not stripped.startswith("#define MESHNET_ENGINE_ABI_VERSION"):
+            continue
+        out.append(re.sub(r"\bMESHNET_API\s+", "", line))
+    return "\n".join(out)
+
+
+_ffi = FFI()
+_ffi.cdef(_cdef_from_header(HEADER.read_text()))
+_lib = None
+
+
+def library():
+    """The loaded engine library (MESHNET_ENGINE_LIB overrides the build output)."""
+    global _lib
+    if _lib is None:
+        path = Path(os.environ.get("MESHNET_ENGINE_LIB", DEFAULT_LIBRARY))
+        if not path.exists():
+            raise MeshnetError("engine_missing", f"the engine library {path} does not exist: run `make` first")
+        lib = _ffi.dlopen(str(path))
+        if lib.meshnet_engine_abi_version() != ABI_VERSION:
+            raise MeshnetError(
+                "engine_mismatch",
+                f"{path} speaks engine ABI {lib.meshnet_engine_abi_version()}, this package needs {ABI_VERSION}: run `make`",
+            )
+        _lib = lib
+    return _lib
+
+
+def engine_pin() -> str:
+    return _ffi.string(library().meshnet_engine_pin()).decode()
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    layer_start: int
+    layer_end: int
+    is_head: bool
+    is_tail: bool
+    n_ctx: int
+    max_sessions: int
+    n_batch: int
+    n_sessions: int
+    model_bytes: int
+    kv_bytes: int
+    kv_bytes_used: int
+    compute_bytes: int
+
+
+@dataclass
+class Entry:
+    """One session's input to a forward call: token ids on the head, residual rows elsewhere."""
+
+    session_id: int
+    pos: int
+    tokens: np.ndarray | None = None
+    residual: np.ndarray | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) if self.tokens is not None else len(self.residual)
+
+
+@dataclass
+class Output:
+    """A stage before the tail gives residual rows (entries' rows concatenated in order);
+    the tail gives each entry's greedy token and, when asked, its last-row logits."""
+
+    residual: np.ndarray | None = None
+    greedy: np.ndarray | None = None
+    logits: np.ndarray | None = None
+
+
+class Stage:
+    """A contiguous layer range [start, end) of a GGUF model; None = the whole model."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        layers: tuple[int, int] | None = None,
+        *,
+        n_ctx: int = 2048,
+        max_sessions: int = 4,
+        n_batch: int = 512,
+        n_ubatch: int = 0,
+        n_threads: int = 0,
+    ):
+        lib = library()
+        self._lib = lib
+        self._path = _ffi.new("char[]", os.fsencode(model_path))
+        start, end = layers if layers is not None else (0, 0)
+        params = _ffi.new(
+            "meshnet_stage_params *",
+            {
+                "model_path": self._path,
+                "layer_start": start,
+                "layer_end": end,
+                "n_ctx": n_ctx,
+                "max_sessions": max_sessions,
+                "n_batch": n_batch,
+                "n_ubatch": n_ubatch,
+                "n_threads": n_threads,
+            },
+        )
+        out = _ffi.new("meshnet_stage **")
+        err = _ffi.new("char[]", 2048)
+        status = lib.meshnet_stage_open(params, out, err, len(err))
+        if status != 0:
+            raise MeshnetError(STATUS_CODES.get(status, "internal"), _ffi.string(err).decode(errors="replace"))
+        self._stage = out[0]
+        self.info_static = self.info()
+
+    # lifecycle
+
+    def close(self) -> None:
+        if getattr(self, "_stage", None) is not None:
+            self._lib.meshnet_stage_close(self._stage)
+            self._stage = None
+
+    def __enter__(self) -> "Stage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _check(self, status: int) -> None:
+        if status != 0:
+            message = _ffi.string(self._lib.meshnet_stage_last_error(self._stage)).decode(errors="replace")
+            raise MeshnetError(STATUS_CODES.get(status, "internal"), message)
+
+    def _live(self):
+        if self._stage is None:
+            raise MeshnetError("closed", "this stage has been closed")
+        return self._stage
+
+    # description
+
+    def info(self) -> StageInfo:
+        raw = _ffi.new("meshnet_stage_info *")
+        self._check(self._lib.meshnet_stage_info_get(self._live(), raw))
+        fields = {name: getattr(raw, name) for name in StageInfo.__dataclass_fields__ if name != "arch"}
+        fields["is_head"], fields["is_tail"] = bool(raw.is_head), bool(raw.is_tail)
+        return StageInfo(arch=_ffi.string(raw.arch).decode(), **fields)
+
+    @property
+    def n_embd(self) -> int:
+        return self.info_static.n_embd
+
+    @property
+    def n_vocab(self) -> int:
+        return self.info_static.n_vocab
+
+    @property
+    def is_head(self) -> bool:
+        return self.info_static.is_head
+
+    @property
+    def is_tail(self) -> bool:
+        return self.info_static.is_tail
+
+    # sessions
+
+    def open_session(self, session_id: int) -> None:
+        self._check(self._lib.meshnet_session_open(self._live(), session_id))
+
+    def release_session(self, session_id: int) -> None:
+        self._check(self._lib.meshnet_session_release(self._live(), session_id))
+
+    def truncate_session(self, session_id: int, n_keep: int) -> None:
+        self._check(self._lib.meshnet_session_truncate(self._live(), session_id, n_keep))
+
+    def session_length(self, session_id: int) -> int:
+        n = _ffi.new("int32_t *")
+        self._check(self._lib.meshnet_session_length(self._live(), session_id, n))
+        return n[0]
+
+    # compute
+
+    def forward(self, entries: Sequence[Entry], want_logits: bool = True) -> Output:
+        stage = self._live()
+        n_entries = len(entries)
+        raw = _ffi.new("meshnet_entry[]", max(n_entries, 1))
+        keep = []  # the arrays whose buffers the C entries point into
+        n_rows = 0
+        for raw_entry, entry in zip(raw, entries):
+            raw_entry.session_id = entry.session_id
+            raw_entry.pos = entry.pos
+            if entry.tokens is not None:
+                tokens = np.ascontiguousarray(entry.tokens, dtype=np.int32).reshape(-1)
+                keep.append(tokens)
+                raw_entry.n_tokens = len(tokens)
+                raw_entry.tokens = _ffi.from_buffer("int32_t[]", tokens)
+            if entry.residual is not None:
+                residual = np.ascontiguousarray(entry.residual, dtype=np.float32)
+                if residual.ndim != 2:
+                    raise MeshnetError("bad_width", f"residual must be 2-D (n_tokens, n_embd), got shape {residual.shape}")
+                keep.append(residual)
+                raw_entry.n_tokens = residual.shape[0]
+                raw_entry.embd_width = residual.shape[1]
+                raw_entry.embd = _ffi.from_buffer("float[]", residual)
+            n_rows += max(raw_entry.n_tokens, 0)
+
+        out = Output()
+        raw_out = _ffi.new("meshnet_output *")
+        if self.is_tail:
+            out.greedy = np.zeros(max(n_entries, 1), dtype=np.int32)
+            raw_out.greedy = _ffi.from_buffer("int32_t[]", out.greedy)
+            if want_logits:
+                out.logits = np.empty((max(n_entries, 1), self.n_vocab), dtype=np.float32)
+                raw_out.logits = _ffi.from_buffer("float[]", out.logits)
+        else:
+            out.residual = np.empty((max(n_rows, 1), self.n_embd), dtype=np.float32)
+            raw_out.residual = _ffi.from_buffer("float[]", out.residual)
+        self._check(self._lib.meshnet_stage_forward(stage, raw, n_entries, raw_out))
+        if out.residual is not None:
+            out.residual = out.residual[:n_rows]
+        return out
+
+    def abort(self) -> None:
+        """Stop the forward pass running now; safe from any thread."""
+        if self._stage is not None:
+            self._lib.meshnet_stage_abort(self._stage)
+
+    # tokens
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode()
+        n = _ffi.new("int32_t *")
+        capacity = len(data) + 8
+        while True:
+            buf = _ffi.new("int32_t[]", capacity)
+            status = self._lib.meshnet_tokenize(self._live(), data, len(data), add_special, parse_special, buf, capacity, n)
+            if status == 13:  # buffer too small: n holds the size needed
+                capacity = n[0]
+                continue
+            self._check(status)
+            return list(buf[0 : n[0]])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        n = _ffi.new("int32_t *")
+        capacity = 16 * len(arr) + 16
+        while True:
+            buf = _ffi.new("char[]", capacity)
+            status = self._lib.meshnet_detokenize(self._live(), _ffi.from_buffer("int32_t[]", arr), len(arr), buf, capacity, n)
+            if status == 13:
+                capacity = n[0] + 1
+                continue
+            self._check(status)
+            return _ffi.buffer(buf, n[0])[:].decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.meshnet_token_is_eog(self._live(), token))

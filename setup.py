@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="meshnet",
+    version="0.1.0",
+    description="Run one GGUF language model across several processes and hosts, a layer range each",
+    packages=find_packages(include=["meshnet", "meshnet.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24",
+        "cffi>=1.15",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "click>=8.1",
+        "gguf>=0.10",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={"console_scripts": ["meshnet=meshnet.cli:main"]},
+)
