@@ -59,6 +59,7 @@ typedef struct {
     int32_t n_batch;       /* most tokens in one forward call */
     int32_t n_ubatch;      /* physical batch: longer calls run in chunks of this; 0 = n_batch */
     int32_t n_threads;     /* 0 = one per core */
+    int32_t flash_attn;    /* 1 = flash attention; results then depend on how a prompt is chunked */
 } meshnet_stage_params;
 
 typedef struct {

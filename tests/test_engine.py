@@ -1,0 +1,250 @@
+"""ACCEPTANCE section A: the engine runs a layer range of the real model, exactly."""
+
+import gguf
+import numpy as np
+import pytest
+
+from meshnet.engine import Entry, Stage
+from meshnet.errors import MeshnetError
+from meshnet.gguf_layout import read_layout
+from meshnet.pipeline import LocalPipeline, ranges_from_seams
+
+from conftest import THREADS
+
+PROMPT = "The old lighthouse keeper climbed the stairs every night, and on the last night of winter he saw"
+N_NEW = 32
+
+
+def generate(path, seams, prompt=PROMPT, **options):
+    layout = read_layout(path)
+    options.setdefault("n_threads", THREADS)
+    options.setdefault("n_ctx", 256)
+    with LocalPipeline(path, ranges_from_seams(layout.n_layer, seams), **options) as pipe:
+        tokens = pipe.head.tokenize(prompt)
+        return pipe.generate(tokens, N_NEW, keep_logits=True, stop_at_eog=False)
+
+
+def max_logit_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.fixture(scope="module")
+def smollm2_whole(smollm2_path):
+    return generate(smollm2_path, [])
+
+
+@pytest.mark.parametrize("seams", [[1], [15], [29], [10, 20]], ids=lambda s: "seams" + "-".join(map(str, s)))
+def test_split_gives_whole_model_tokens_and_logits_smollm2(smollm2_path, smollm2_whole, seams):
+    split = generate(smollm2_path, seams)
+    assert len(split.tokens) == N_NEW
+    assert split.tokens == smollm2_whole.tokens
+    diff = max_logit_diff(split, smollm2_whole)
+    print(f"seams {seams}: max |dlogit| over {N_NEW} steps = {diff}")
+    assert diff == 0.0
+
+
+def test_split_gives_whole_model_tokens_and_logits_qwen2(qwen_path):
+    whole = generate(qwen_path, [])
+    split = generate(qwen_path, [14])
+    assert len(whole.tokens) == N_NEW
+    assert split.tokens == whole.tokens
+    diff = max_logit_diff(split, whole)
+    print(f"qwen2 seam 14: max |dlogit| over {N_NEW} steps = {diff}")
+    assert diff == 0.0
+
+
+def test_head_holds_only_embeddings_and_its_layers(smollm2_path):
+    layout = read_layout(smollm2_path)
+    expected = layout.token_embd_bytes + sum(layout.layer_bytes[:15])
+    with Stage(smollm2_path, n_ctx=512, max_sessions=2) as whole, Stage(smollm2_path, (0, 15), n_ctx=512, max_sessions=2) as head:
+        info = head.info()
+        assert abs(info.model_bytes - expected) <= 0.05 * expected
+        assert info.model_bytes < 0.7 * layout.file_bytes
+        assert info.kv_bytes * 2 == whole.info().kv_bytes
+
+
+def test_middle_stage_holds_no_embeddings_or_output(smollm2_path):
+    layout = read_layout(smollm2_path)
+    with Stage(smollm2_path, (10, 20), n_ctx=512, max_sessions=1) as middle:
+        info = middle.info()
+        expected = sum(layout.layer_bytes[10:20])
+        assert abs(info.model_bytes - expected) <= 0.05 * expected
+        assert not info.is_head and not info.is_tail
+
+
+def test_tail_with_tied_embeddings_holds_token_embd_as_output(smollm2_path):
+    layout = read_layout(smollm2_path)
+    assert layout.tied_embeddings
+    with Stage(smollm2_path, (15, 30), n_ctx=512, max_sessions=1) as tail:
+        assert tail.info().model_bytes == layout.stage_bytes(15, 30)
+
+
+def _step(pipe, session, pos, tokens):
+    out = pipe.forward([Entry(session, pos, tokens=np.asarray(tokens, dtype=np.int32))])
+    return int(out.greedy[0]), out.logits[0].copy()
+
+
+def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path):
+    prompts = ["Once upon a time", "The recipe for bread needs flour, water and"]
+    with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=2, n_threads=THREADS) as pipe:
+        alone = [pipe.generate(pipe.head.tokenize(p), 12, stop_at_eog=False, session_id=7) for p in prompts]
+
+        sessions = {1: pipe.head.tokenize(prompts[0]), 2: pipe.head.tokenize(prompts[1])}
+        got = {1: [], 2: []}
+        pos = {}
+        for sid, toks in sessions.items():
+            pipe.open_session(sid)
+        for sid, toks in sessions.items():
+            token, _ = _step(pipe, sid, 0, toks)
+            got[sid].append(token)
+            pos[sid] = len(toks)
+        for _ in range(11):
+            for sid in sessions:  # strictly alternating steps
+                token, _ = _step(pipe, sid, pos[sid], [got[sid][-1]])
+                got[sid].append(token)
+                pos[sid] += 1
+        assert got[1] == alone[0].tokens
+        assert got[2] == alone[1].tokens
+
+        for stage in pipe.stages:
+            info = stage.info()
+            assert info.n_sessions == 2 and info.kv_bytes_used > 0
+        pipe.release_session(1)
+        for stage in pipe.stages:
+            assert stage.info().n_sessions == 1
+        pipe.release_session(2)
+        for stage in pipe.stages:
+            info = stage.info()
+            assert info.n_sessions == 0 and info.kv_bytes_used == 0
+
+
+def test_truncate_then_redecode_gives_the_same_tokens(smollm2_path):
+    with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=1, n_threads=THREADS) as pipe:
+        prompt = pipe.head.tokenize(PROMPT)
+        pipe.open_session(3)
+        first, _ = _step(pipe, 3, 0, prompt)
+        tokens, pos = [first], len(prompt)
+        for _ in range(8):
+            token, _ = _step(pipe, 3, pos, [tokens[-1]])
+            tokens.append(token)
+            pos += 1
+        keep = len(prompt) + 2
+        for stage in pipe.stages:
+            stage.truncate_session(3, keep)
+            assert stage.session_length(3) == keep
+        again, pos = tokens[:3], keep
+        for _ in range(6):
+            token, _ = _step(pipe, 3, pos, [again[-1]])
+            again.append(token)
+            pos += 1
+        assert again == tokens
+        pipe.release_session(3)
+
+
+def test_prompt_longer_than_physical_batch_runs_in_chunks_identically(smollm2_path):
+    long_prompt = " ".join([PROMPT] * 6)
+    reference = generate(smollm2_path, [15], long_prompt, n_ctx=512)
+    assert len(reference.prompt_tokens) > 100
+    # llama.cpp splits each call into physical batches of 16 rows
+    in_engine = generate(smollm2_path, [15], long_prompt, n_ctx=512, n_ubatch=16)
+    assert in_engine.tokens == reference.tokens
+    assert max_logit_diff(in_engine, reference) == 0.0
+    # the caller sends the prompt in forward calls of 16 tokens
+    layout = read_layout(smollm2_path)
+    with LocalPipeline(smollm2_path, ranges_from_seams(layout.n_layer, [15]), n_ctx=512, n_batch=16, n_threads=THREADS) as pipe:
+        chunked = pipe.generate(reference.prompt_tokens, N_NEW, keep_logits=True, stop_at_eog=False)
+    assert chunked.tokens == reference.tokens
+    assert max_logit_diff(chunked, reference) == 0.0
+
+
+# bad input: a clear error, never a crash, and the stage keeps working afterwards
+
+
+@pytest.fixture(scope="module")
+def split_stages(smollm2_path):
+    head = Stage(smollm2_path, (0, 15), n_ctx=32, max_sessions=2, n_threads=THREADS)
+    tail = Stage(smollm2_path, (15, 30), n_ctx=32, max_sessions=2, n_threads=THREADS)
+    yield head, tail
+    head.close()
+    tail.close()
+
+
+def _still_works(head, tail):
+    head.open_session(99)
+    tail.open_session(99)
+    residual = head.forward([Entry(99, 0, tokens=np.array([1, 2, 3]))]).residual
+    out = tail.forward([Entry(99, 0, residual=residual)])
+    head.release_session(99)
+    tail.release_session(99)
+    return int(out.greedy[0])
+
+
+def _expect(code, fn, *args, **kwargs):
+    with pytest.raises(MeshnetError) as err:
+        fn(*args, **kwargs)
+    assert err.value.code == code, err.value
+    assert err.value.message
+    return err.value
+
+
+@pytest.mark.parametrize("layers,code", [((0, 31), "bad_range"), ((5, 5), "bad_range"), ((-1, 4), "bad_range"), ((20, 10), "bad_range")])
+def test_bad_range_is_refused(smollm2_path, layers, code):
+    error = _expect(code, Stage, smollm2_path, layers)
+    assert "30 layers" in error.message
+
+
+def test_bad_forward_inputs_are_refused_and_the_stage_keeps_working(split_stages):
+    head, tail = split_stages
+    expected = _still_works(head, tail)
+    head.open_session(5)
+    tail.open_session(5)
+    try:
+        _expect("bad_token", head.forward, [Entry(5, 0, tokens=np.array([1, head.n_vocab]))])
+        _expect("bad_token", head.forward, [Entry(5, 0, tokens=np.array([-3]))])
+        _expect("bad_width", tail.forward, [Entry(5, 0, residual=np.zeros((2, tail.n_embd - 1), np.float32))])
+        _expect("invalid_argument", tail.forward, [Entry(5, 0, tokens=np.array([1, 2]))])
+        _expect("invalid_argument", head.forward, [Entry(5, 0, residual=np.zeros((1, head.n_embd), np.float32))])
+        _expect("context_full", head.forward, [Entry(5, 0, tokens=np.arange(40) + 10)])
+        _expect("unknown_session", head.forward, [Entry(12345, 0, tokens=np.array([1]))])
+        _expect("invalid_argument", head.forward, [Entry(5, 3, tokens=np.array([1]))])  # skips positions
+        _expect("unknown_session", head.release_session, 12345)
+        _expect("invalid_argument", head.truncate_session, 5, 1)  # holds 0 tokens
+        assert head.session_length(5) == 0 and tail.session_length(5) == 0
+    finally:
+        head.release_session(5)
+        tail.release_session(5)
+    assert _still_works(head, tail) == expected
+
+
+def test_more_sessions_than_the_maximum_are_refused(split_stages):
+    head, _ = split_stages
+    head.open_session(1)
+    head.open_session(2)
+    try:
+        _expect("too_many_sessions", head.open_session, 3)
+        _expect("invalid_argument", head.open_session, 2)  # already open
+    finally:
+        head.release_session(1)
+        head.release_session(2)
+    head.open_session(3)
+    head.release_session(3)
+
+
+def test_non_gguf_and_missing_files_are_refused(tmp_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("this is not a model\n" * 100)
+    assert "not a GGUF" in _expect("not_gguf", Stage, text).message
+    _expect("not_gguf", Stage, tmp_path / "missing.gguf")
+
+
+def test_unsplittable_architecture_with_a_range_names_the_architecture(tmp_path):
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(4)
+    writer.add_embedding_length(8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    error = _expect("unsupported_arch", Stage, path, (0, 2))
+    assert "gpt2" in error.message and "cannot be split" in error.message
