@@ -79,6 +79,7 @@ typedef struct {
     uint64_t kv_bytes;        /* KV cache bytes allocated (all sessions) */
     uint64_t kv_bytes_used;   /* KV bytes holding tokens of open sessions */
     uint64_t compute_bytes;   /* scratch buffers for the forward pass */
+    char     engine_pin[192]; /* as meshnet_engine_pin() */
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other

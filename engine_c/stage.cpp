@@ -255,6 +255,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     info.n_ctx        = p->n_ctx;
     info.max_sessions = p->max_sessions;
     info.n_batch      = p->n_batch;
+    std::snprintf(info.engine_pin, sizeof(info.engine_pin), "%s", meshnet_engine_pin());
     return MESHNET_OK;
 }
 

@@ -109,6 +109,7 @@ class StageInfo:
     kv_bytes: int
     kv_bytes_used: int
     compute_bytes: int
+    engine_pin: str
 
 
 @dataclass
@@ -207,9 +208,10 @@ class Stage:
     def info(self) -> StageInfo:
         raw = _ffi.new("meshnet_stage_info *")
         self._check(self._lib.meshnet_stage_info_get(self._live(), raw))
-        fields = {name: getattr(raw, name) for name in StageInfo.__dataclass_fields__ if name != "arch"}
+        fields = {name: getattr(raw, name) for name in StageInfo.__dataclass_fields__}
         fields["is_head"], fields["is_tail"] = bool(raw.is_head), bool(raw.is_tail)
-        return StageInfo(arch=_ffi.string(raw.arch).decode(), **fields)
+        fields["arch"], fields["engine_pin"] = _ffi.string(raw.arch).decode(), _ffi.string(raw.engine_pin).decode()
+        return StageInfo(**fields)
 
     @property
     def n_embd(self) -> int:

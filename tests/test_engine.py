@@ -118,6 +118,29 @@ def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path
             assert info.n_sessions == 0 and info.kv_bytes_used == 0
 
 
+def test_sessions_batched_in_one_forward_call_match_each_alone(smollm2_path):
+    prompts = ["Once upon a time", "The recipe for bread needs", "In 1969 the first man", "Python is a"]
+    with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=4, n_threads=THREADS) as pipe:
+        alone = [pipe.generate(pipe.head.tokenize(p), 10, stop_at_eog=False, keep_logits=True, session_id=9) for p in prompts]
+        prompt_tokens = [pipe.head.tokenize(p) for p in prompts]
+        for sid in range(4):
+            pipe.open_session(sid)
+        out = pipe.forward([Entry(sid, 0, tokens=np.array(prompt_tokens[sid])) for sid in range(4)])
+        got = [[int(g)] for g in out.greedy]
+        diffs = [float(np.abs(out.logits[sid] - alone[sid].logits[0]).max()) for sid in range(4)]
+        pos = [len(t) for t in prompt_tokens]
+        for step in range(1, 10):
+            out = pipe.forward([Entry(sid, pos[sid], tokens=np.array([got[sid][-1]])) for sid in range(4)])
+            for sid in range(4):
+                diffs.append(float(np.abs(out.logits[sid] - alone[sid].logits[step]).max()))
+                got[sid].append(int(out.greedy[sid]))
+                pos[sid] += 1
+        assert got == [a.tokens for a in alone]
+        assert max(diffs) == 0.0
+        for sid in range(4):
+            pipe.release_session(sid)
+
+
 def test_truncate_then_redecode_gives_the_same_tokens(smollm2_path):
     with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=1, n_threads=THREADS) as pipe:
         prompt = pipe.head.tokenize(PROMPT)

@@ -4,7 +4,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from meshnet.engine import engine_pin
+from meshnet.engine import Stage, engine_pin
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = sorted((ROOT / "engine_c" / "patches").glob("*.patch"))
@@ -25,9 +25,11 @@ def test_every_patch_says_why():
         assert "Why:" in header, f"{patch.name} has no 'Why:' header"
 
 
-def test_engine_reports_the_pin_it_was_built_from():
+def test_engine_reports_the_pin_it_was_built_from(smollm2_path):
     stack = hashlib.sha256(b"".join(p.read_bytes() for p in PATCHES)).hexdigest()
     pin = engine_pin()
     assert pin.startswith("llama.cpp@0c1e57098 ")
     assert "sdist=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e" in pin
     assert f"patches={stack}" in pin
+    with Stage(smollm2_path, (0, 10), n_ctx=64, max_sessions=1) as stage:
+        assert stage.info().engine_pin == pin
