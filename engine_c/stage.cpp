@@ -4,6 +4,7 @@
 
 #include "meshnet_engine.h"
 
+#include "ggml-cpu.h"
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"
@@ -126,6 +127,7 @@ meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & e
 struct meshnet_stage {
     llama_model         * model = nullptr;
     llama_context       * ctx   = nullptr;
+    ggml_threadpool_t     pool  = nullptr;
     const llama_vocab   * vocab = nullptr;
     llama_batch_ext     * batch = nullptr;
 
@@ -236,6 +238,18 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         err = format("llama.cpp could not create a context for '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
         return MESHNET_ERR_MODEL_LOAD;
     }
+    // a thread pool of our own that sleeps between forward passes: with ggml's default
+    // (a pool per pass whose threads spin-poll) a stage's idle threads steal the cores
+    // that the next stage, in another process on the same machine, is computing on
+    ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
+    tpp.poll = 0;
+    stage->pool = ggml_threadpool_new(&tpp);
+    if (!stage->pool) {
+        err = format("could not start %d compute threads", n_threads);
+        return MESHNET_ERR_INTERNAL;
+    }
+    llama_attach_threadpool(stage->ctx, stage->pool, stage->pool);
+
     stage->batch = llama_batch_ext_init(stage->ctx);
     if (!stage->batch) {
         err = "llama.cpp could not allocate a batch";
@@ -455,6 +469,9 @@ void meshnet_stage_close(meshnet_stage * stage) {
     }
     if (stage->ctx) {
         llama_free(stage->ctx);
+    }
+    if (stage->pool) {
+        ggml_threadpool_free(stage->pool);
     }
     if (stage->model) {
         llama_model_free(stage->model);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 
@@ -24,6 +25,14 @@ def main():
     """Run one GGUF model across several processes and hosts, a layer range each."""
 
 
+def _parse_layers(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+        return start, end
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a layer range A:B")
+
+
 def _parse_split(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -39,11 +48,12 @@ def _parse_split(text: str) -> list[int]:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens")
+@click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
-def run(model, stages, split, prompt, max_tokens, threads, n_ctx, as_json):
-    """Generate greedily from PROMPT with the model split into stages."""
+def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as_json):
+    """Generate greedily from PROMPT with the model split into stages (worker processes on this machine)."""
     from .gguf_layout import read_layout
-    from .pipeline import LocalPipeline, even_ranges, ranges_from_seams
+    from .pipeline import even_ranges, ranges_from_seams
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
@@ -55,49 +65,102 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, as_json):
             if split is not None
             else even_ranges(layout.n_layer, stages or 2)
         )
-        with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
-            prompt_tokens = pipe.head.tokenize(prompt)
-            if len(prompt_tokens) + max_tokens > n_ctx:
-                raise MeshnetError("context_full", f"{len(prompt_tokens)} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
-            streamer = None if as_json else _TextStreamer(pipe.tail, prompt)
-            gen = pipe.generate(prompt_tokens, max_tokens, on_token=streamer)
-            text = pipe.tail.detokenize(gen.tokens)
+        stream = None if as_json else _TextStreamer(prompt)
+        runner = _run_in_process if in_process else _run_on_workers
+        tokens, text, metrics, stop_reason = runner(path, ranges, prompt, max_tokens, threads, n_ctx, stream)
     except MeshnetError as e:
         _fail(e)
 
-    metrics = dict(gen.metrics, model_sha256=sha256, stop_reason=gen.stop_reason)
+    metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process)
     if as_json:
-        click.echo(json.dumps({"tokens": gen.tokens, "text": text, "metrics": metrics}))
+        click.echo(json.dumps({"tokens": tokens, "text": text, "metrics": metrics}))
         return
-    streamer.finish()
+    stream.finish()
     decode = f"{metrics['decode_tok_s']:.1f}" if metrics["decode_tok_s"] else "-"
+    hops = f", hop p50 {metrics['hop_us_p50']:.0f} us" if "hop_us_p50" in metrics else ""
     click.echo(
-        f"[{len(ranges)} stages {' '.join(f'[{a},{b})' for a, b in ranges)}] "
+        f"[{len(ranges)} stages {' '.join(f'[{a},{b})' for a, b in ranges)}"
+        f"{' in-process' if in_process else ' as worker processes'}] "
         f"prompt {metrics['prompt_tokens']} tok, ttft {metrics['ttft_ms']:.0f} ms, "
-        f"prefill {metrics['prefill_tok_s']:.1f} tok/s, decode {decode} tok/s, "
-        f"{metrics['generated_tokens']} tokens ({gen.stop_reason})",
+        f"prefill {metrics['prefill_tok_s']:.1f} tok/s, decode {decode} tok/s{hops}, "
+        f"{metrics['generated_tokens']} tokens ({stop_reason})",
         err=True,
     )
 
 
-class _TextStreamer:
-    """Prints the continuation as it grows; detokenizing the whole tail each time keeps
-    multi-byte characters split across tokens intact."""
+def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+    if n_prompt + max_tokens > n_ctx:
+        raise MeshnetError("context_full", f"{n_prompt} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
 
-    def __init__(self, stage, prompt: str):
-        self.stage, self.tokens, self.printed = stage, [], ""
+
+def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
+    from .pipeline import LocalPipeline
+
+    with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
+        prompt_tokens = pipe.head.tokenize(prompt)
+        _check_context(len(prompt_tokens), max_tokens, n_ctx)
+        on_token = (lambda t: stream(pipe.tail.detokenize_bytes([t]))) if stream else None
+        gen = pipe.generate(prompt_tokens, max_tokens, on_token=on_token)
+        return gen.tokens, pipe.tail.detokenize(gen.tokens), gen.metrics, gen.stop_reason
+
+
+def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
+    from .cluster import LocalCluster
+
+    with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
+        coordinator = cluster.coordinator
+        prompt_tokens = coordinator.tokenize(prompt)
+        _check_context(len(prompt_tokens), max_tokens, n_ctx)
+        session = coordinator.generate(prompt_tokens, max_tokens)
+        for event in session:
+            if stream:
+                stream(event.piece)
+        return session.tokens, coordinator.detokenize(session.tokens), session.metrics, session.stop_reason
+
+
+class _TextStreamer:
+    """Prints the continuation as its bytes arrive; a character split across two tokens
+    is printed once whole."""
+
+    def __init__(self, prompt: str):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         click.echo(prompt, nl=False)
 
-    def __call__(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.stage.detokenize(self.tokens)
-        if not text.endswith("\ufffd"):
-            click.echo(text[len(self.printed):], nl=False)
-            self.printed = text
+    def __call__(self, piece: bytes) -> None:
+        click.echo(self.decoder.decode(piece), nl=False)
         sys.stdout.flush()
 
     def finish(self) -> None:
-        click.echo()
+        click.echo(self.decoder.decode(b"", final=True))
+
+
+@main.command()
+@click.option("--coordinator", required=True, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
+@click.option("--model", default=None, help="model name or GGUF path [default: smollm2]")
+@click.option("--layers", required=True, help="the half-open layer range A:B this worker holds")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens per session")
+@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=8, show_default=True)
+@click.option("--max-queue", type=click.IntRange(min=1), default=None, help="forward requests waiting before 'busy'")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
+@click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
+def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, heartbeat_interval, heartbeat_liveness):
+    """Serve one layer range of a model to a coordinator until SIGTERM."""
+    from .worker import StageWorker, WorkerConfig
+
+    try:
+        path, sha256 = models.resolve(model)
+        config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=_parse_layers(layers),
+                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads)
+        if max_queue is not None:
+            config.max_queue = max_queue
+        if heartbeat_interval is not None:
+            config.heartbeat_interval = heartbeat_interval
+        if heartbeat_liveness is not None:
+            config.heartbeat_liveness = heartbeat_liveness
+        sys.exit(StageWorker(config).run())
+    except MeshnetError as e:
+        _fail(e)
 
 
 @main.command()

@@ -308,6 +308,10 @@ class Stage:
             return list(buf[0 : n[0]])
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.detokenize_bytes(tokens).decode(errors="replace")
+
+    def detokenize_bytes(self, tokens: Sequence[int]) -> bytes:
+        """The raw text bytes: one token may end in the middle of a UTF-8 character."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         n = _ffi.new("int32_t *")
         capacity = 16 * len(arr) + 16
@@ -318,7 +322,7 @@ class Stage:
                 capacity = n[0] + 1
                 continue
             self._check(status)
-            return _ffi.buffer(buf, n[0])[:].decode(errors="replace")
+            return _ffi.buffer(buf, n[0])[:]
 
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.meshnet_token_is_eog(self._live(), token))

@@ -1,0 +1,574 @@
+"""The coordinator: a ROUTER socket, the registry of stage workers, and every
+session's path through them.
+
+One I/O thread owns the socket and all state; callers on other threads talk to it
+through a command queue (woken by a pipe) and get answers through futures and
+per-session event queues. A session goes coordinator -> head -> coordinator -> next
+stage ... -> tail -> coordinator; the residual frame a stage returns is sent on to
+the next stage as it is (no copy). The prompt is sent in bounded chunks, pipelined:
+chunk k+1 enters the head while chunk k is in the next stage.
+
+A worker that stops answering heartbeats, or says goodbye, is lost: every session
+that touches it ends with a structured `stage_lost` error within the heartbeat bound,
+its KV is released on the other stages, and the coordinator keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import queue
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .errors import MeshnetError
+from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
+from .tracker import StageOffer, build_route, offer_from_capability
+
+PREFILL_CHUNK = 64             # prompt tokens per forward request
+REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
+SOCKET_HWM = 10_000            # ZeroMQ high-water mark, messages
+MAX_PAYLOAD = 256 << 20        # largest frame accepted from a worker (logits of a big vocab fit)
+RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
+
+
+@dataclass
+class WorkerRecord:
+    identity: bytes
+    name: str
+    capability: dict
+    offer: StageOffer
+    liveness: Liveness
+    sessions: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Pending:
+    kind: str                    # open | forward | release | cancel | query
+    sid: int | None
+    worker: bytes
+    stage: int
+    sent_ns: int
+    deadline: float
+    future: Future | None = None
+    pos: int = 0
+    n: int = 0
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    piece: bytes
+    logits: np.ndarray | None
+
+
+@dataclass
+class Session:
+    sid: int
+    route: list[WorkerRecord]
+    prompt: list[int]
+    max_tokens: int
+    want_logits: bool
+    stop_at_eog: bool
+    chunk: int
+    events: queue.Queue
+    opens_waiting: int = 0
+    prompt_sent: int = 0          # prompt tokens handed to the head so far
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    t_start: float = 0.0
+    t_first: float | None = None
+    hops_us: list[float] = field(default_factory=list)
+    compute_us: list[list[int]] = field(default_factory=list)   # per stage
+    seam_bytes: int = 0
+
+    def label(self, stage: int) -> str:
+        return self.route[stage].offer.label
+
+
+class SessionHandle:
+    """A caller's view of one generation: iterate for tokens as they come, or wait for
+    the result. Errors arrive as MeshnetError (code stage_lost, cancelled, ...)."""
+
+    def __init__(self, coordinator: "Coordinator", sid: int, events: queue.Queue):
+        self.coordinator, self.sid, self._events = coordinator, sid, events
+        self.tokens: list[int] = []
+        self.logits: list[np.ndarray] = []
+        self.text = b""
+        self.metrics: dict = {}
+        self.stop_reason: str | None = None
+        self._done = False
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while not self._done:
+            kind, value = self._events.get()
+            if kind == "token":
+                self.tokens.append(value.token)
+                self.text += value.piece
+                if value.logits is not None:
+                    self.logits.append(value.logits)
+                yield value
+            elif kind == "done":
+                self._done = True
+                self.stop_reason, self.metrics = value
+            else:
+                self._done = True
+                raise value
+
+    def result(self) -> "SessionHandle":
+        for _ in self:
+            pass
+        return self
+
+    def cancel(self) -> None:
+        self.coordinator.cancel(self.sid)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        heartbeat_liveness: int = HEARTBEAT_LIVENESS,
+        prefill_chunk: int = PREFILL_CHUNK,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ):
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_liveness = heartbeat_liveness
+        self.prefill_chunk = prefill_chunk
+        self.request_timeout = request_timeout
+
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unroutable send raises, never vanishes
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        self.router.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PAYLOAD)
+        self.router.bind(bind)
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        self.workers: dict[bytes, WorkerRecord] = {}
+        self.sessions: dict[int, Session] = {}
+        self.pending: dict[int, Pending] = {}
+        self._rids = itertools.count(secrets.randbits(40))
+        self._sids = itertools.count(secrets.randbits(40))
+        self.counters: collections.Counter = collections.Counter()
+        self.hop_us: collections.deque[float] = collections.deque(maxlen=100_000)
+
+        self._commands: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="meshnet-coordinator", daemon=True)
+        self._thread.start()
+
+    # ---- API for other threads -------------------------------------------------------
+
+    def _submit(self, fn: Callable[[Future], None]) -> Future:
+        future: Future = Future()
+        self._commands.put((fn, future))
+        os.write(self._wake_w, b"x")
+        return future
+
+    def close(self) -> None:
+        if self._running:
+            self._submit(lambda f: f.set_result(None))
+            self._running = False
+            os.write(self._wake_w, b"x")
+            self._thread.join(timeout=5)
+            self.router.close(linger=0)
+            self.ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def route(self) -> list[StageOffer]:
+        """The current route, or MeshnetError(route_incomplete) saying why there is none."""
+        return self._submit(lambda f: f.set_result(self._route_offers())).result(5)
+
+    def wait_for_route(self, timeout: float = 60.0, n_stages: int | None = None) -> list[StageOffer]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                route = self.route()
+                if n_stages is None or len(route) == n_stages:
+                    return route
+                error = MeshnetError(P.E_ROUTE, f"route has {len(route)} stages, waiting for {n_stages}")
+            except MeshnetError as e:
+                error = e
+            if time.monotonic() > deadline:
+                raise error
+            time.sleep(0.05)
+
+    def workers_snapshot(self) -> list[dict]:
+        def snap(f):
+            f.set_result([dict(w.capability, name=w.name, sessions=len(w.sessions)) for w in self.workers.values()])
+        return self._submit(snap).result(5)
+
+    def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
+                 stop_at_eog: bool = True, prefill_chunk: int | None = None) -> SessionHandle:
+        if not prompt_tokens:
+            raise MeshnetError("invalid_argument", "the prompt has no tokens")
+        if max_tokens < 1:
+            raise MeshnetError("invalid_argument", "max_tokens must be at least 1")
+        sid = next(self._sids)
+        events: queue.Queue = queue.Queue()
+        chunk = prefill_chunk or self.prefill_chunk
+        self._submit(lambda f: self._start_session(sid, list(prompt_tokens), max_tokens, want_logits, stop_at_eog,
+                                                   chunk, events))
+        return SessionHandle(self, sid, events)
+
+    def cancel(self, sid: int) -> None:
+        self._submit(lambda f: self._cancel_session(sid))
+
+    def tokenize(self, text: str, timeout: float = 30.0) -> list[int]:
+        return self._query_stage(0, P.TOKENIZE, {"text": text}).result(timeout)["tokens"]
+
+    def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
+        return self._query_stage(-1, P.DETOKENIZE, {"tokens": list(tokens)}).result(timeout)["text"]
+
+    def stage_stats(self, timeout: float = 10.0) -> list[dict]:
+        """HEALTH of every registered worker (KV in use, sessions, queue depth), in layer order."""
+        def ask(f):
+            futures = [self._query(w, P.HEALTH, {}) for w in sorted(self.workers.values(), key=lambda w: w.offer.start)]
+            f.set_result(futures)
+        futures = self._submit(ask).result(timeout)
+        return [dict(fut.result(timeout)) for fut in futures]
+
+    def shutdown_workers(self) -> None:
+        def ask(f):
+            for w in list(self.workers.values()):
+                self._query(w, P.SHUTDOWN, {})
+            f.set_result(None)
+        self._submit(ask).result(5)
+
+    def _query_stage(self, index: int, msg_type: str, fields: dict) -> Future:
+        outer: Future = Future()
+
+        def ask(f):
+            try:
+                route = self._route()
+            except MeshnetError as e:
+                outer.set_exception(e)
+                return
+            inner = self._query(route[index], msg_type, fields)
+            inner.add_done_callback(lambda i: outer.set_exception(i.exception()) if i.exception() else outer.set_result(i.result()))
+        self._submit(ask)
+        return outer
+
+    # ---- the I/O thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        pacer = Pacer(self.heartbeat_interval)
+        tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
+        while self._running:
+            events = dict(poller.poll(tick_ms))
+            if self.router in events:
+                for _ in range(RECV_BATCH):
+                    try:
+                        frames = self.router.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames[0], frames[1:])
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    fn, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    fn(future)
+                except Exception as e:
+                    if not future.done():
+                        future.set_exception(e)
+            if pacer.due():
+                for w in list(self.workers.values()):
+                    self._send(w.identity, P.encode(P.HEARTBEAT, 0))
+            for w in [w for w in self.workers.values() if w.liveness.dead()]:
+                self._lose_worker(w, "stopped answering heartbeats")
+            self._expire_requests()
+
+    def _send(self, identity: bytes, frames: list) -> bool:
+        try:
+            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
+            self.counters[f"send_failed_{e.errno}"] += 1
+            worker = self.workers.get(identity)
+            if worker is not None and e.errno == zmq.EHOSTUNREACH:
+                self._lose_worker(worker, "its connection is gone")
+            return False
+
+    def _on_message(self, identity: bytes, frames: list) -> None:
+        try:
+            msg = P.decode(frames, MAX_PAYLOAD)
+        except P.ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            self._send(identity, P.error_frames(e.rid, e.code, e.message, sid=e.sid))
+            return
+        worker = self.workers.get(identity)
+        if msg.type == P.READY:
+            self._register(identity, msg)
+            return
+        if worker is None:
+            if msg.type in (P.HEARTBEAT, P.OK, P.RESULT, P.ERROR):
+                self._send(identity, P.encode(P.DISCONNECT, 0))  # a worker we forgot: announce again
+            elif msg.type != P.GOODBYE:
+                self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
+            return
+        worker.liveness.heard()
+        if msg.type == P.HEARTBEAT:
+            return
+        if msg.type == P.GOODBYE:
+            self._lose_worker(worker, "said goodbye")
+            return
+        if msg.type in (P.OK, P.RESULT, P.ERROR):
+            pending = self.pending.pop(msg.rid, None)
+            if pending is None or pending.worker != identity:
+                self.counters["late_replies"] += 1  # for a session that already ended
+                return
+            self._on_reply(worker, pending, msg)
+            return
+        self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
+
+    def _register(self, identity: bytes, msg: P.Message) -> None:
+        capability = msg["capability"]
+        try:
+            offer = offer_from_capability(identity.hex()[:12], capability)
+            if not (0 <= offer.start < offer.end <= offer.n_layer) or not isinstance(capability.get("n_embd"), int):
+                raise ValueError("layers outside the model")
+        except (KeyError, TypeError, ValueError) as e:
+            self._send(identity, P.error_frames(msg.rid, P.E_BAD_FIELD, f"ready: capability is not usable: {e!r}"))
+            return
+        self.workers[identity] = WorkerRecord(identity, offer.worker, capability, offer,
+                                              Liveness(self.heartbeat_interval, self.heartbeat_liveness))
+        self.counters["registrations"] += 1
+
+    def _lose_worker(self, worker: WorkerRecord, reason: str) -> None:
+        if self.workers.pop(worker.identity, None) is None:
+            return
+        self.counters["workers_lost"] += 1
+        elapsed_ms = int(worker.liveness.silent_for() * 1000)
+        for rid in [rid for rid, p in self.pending.items() if p.worker == worker.identity]:
+            pending = self.pending.pop(rid)
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(MeshnetError(P.E_STAGE_LOST, f"worker {worker.name} {reason}",
+                                                          stage=worker.offer.label, worker=worker.name))
+        for sid in list(worker.sessions):
+            session = self.sessions.get(sid)
+            if session is not None:
+                stage = next(i for i, w in enumerate(session.route) if w is worker)
+                self._fail(session, MeshnetError(
+                    P.E_STAGE_LOST, f"stage {worker.offer.label} (worker {worker.name}) {reason}",
+                    stage=worker.offer.label, worker=worker.name, session=sid, elapsed_ms=elapsed_ms),
+                    skip_stage=stage)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _request(self, worker: WorkerRecord, msg_type: str, pending: Pending, payload=None, **fields) -> int:
+        rid = next(self._rids)
+        pending.sent_ns = time.perf_counter_ns()
+        self.pending[rid] = pending
+        if not self._send(worker.identity, P.encode(msg_type, rid, payload=payload, **fields)):
+            self.pending.pop(rid, None)
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(MeshnetError(P.E_STAGE_LOST, f"cannot reach worker {worker.name}"))
+        return rid
+
+    def _query(self, worker: WorkerRecord, msg_type: str, fields: dict) -> Future:
+        future: Future = Future()
+        self._request(worker, msg_type, Pending("query", None, worker.identity, -1, 0,
+                                                now() + self.request_timeout, future), **fields)
+        return future
+
+    def _expire_requests(self) -> None:
+        t = now()
+        for rid in [rid for rid, p in self.pending.items() if p.deadline < t]:
+            pending = self.pending.pop(rid)
+            error = MeshnetError(P.E_DEADLINE, f"no answer from stage {pending.stage} within {self.request_timeout:.0f} s")
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
+            session = self.sessions.get(pending.sid) if pending.sid is not None else None
+            if session is not None and pending.kind in ("open", "forward"):
+                self._fail(session, MeshnetError(P.E_DEADLINE, error.message, stage=session.label(pending.stage),
+                                                 session=session.sid), cancel=True)
+
+    def _on_reply(self, worker: WorkerRecord, pending: Pending, msg: P.Message) -> None:
+        if pending.kind == "query":
+            if msg.type == P.ERROR:
+                pending.future.set_exception(MeshnetError(msg["code"], msg["message"], stage=worker.offer.label))
+            else:
+                pending.future.set_result(msg.get("info", {}))
+            return
+        session = self.sessions.get(pending.sid)
+        if session is None or session.finished or pending.kind in ("release", "cancel"):
+            return
+        if msg.type == P.ERROR:
+            self._fail(session, MeshnetError(msg["code"], msg["message"], stage=worker.offer.label, worker=worker.name,
+                                             session=session.sid), cancel=True)
+            return
+        if pending.kind == "open":
+            session.opens_waiting -= 1
+            if session.opens_waiting == 0:
+                self._send_prompt_chunk(session)
+            return
+        if msg.type != P.RESULT:
+            self._fail(session, MeshnetError("internal", f"stage {worker.offer.label} answered a forward with {msg.type}",
+                                             session=session.sid), cancel=True)
+            return
+        rtt_us = (time.perf_counter_ns() - pending.sent_ns) / 1000
+        hop_us = max(0.0, rtt_us - msg.get("compute_us", 0))
+        session.hops_us.append(hop_us)
+        session.compute_us[pending.stage].append(msg.get("compute_us", 0))
+        self.hop_us.append(hop_us)
+        self._on_forward_result(session, pending, msg)
+
+    # ---- sessions ---------------------------------------------------------------------
+
+    def _route(self) -> list[WorkerRecord]:
+        offers = build_route(w.offer for w in self.workers.values())
+        by_name = {w.name: w for w in self.workers.values()}
+        return [by_name[o.worker] for o in offers]
+
+    def _route_offers(self) -> list[StageOffer]:
+        return [w.offer for w in self._route()]
+
+    def _start_session(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
+        try:
+            route = self._route()
+        except MeshnetError as e:
+            events.put(("error", MeshnetError(e.code, e.message, session=sid)))
+            return
+        n_ctx = min(w.capability["n_ctx"] for w in route)
+        if len(prompt) + max_tokens > n_ctx:
+            events.put(("error", MeshnetError("context_full", f"{len(prompt)} prompt + {max_tokens} new tokens exceed "
+                                              f"the route's context of {n_ctx}", session=sid)))
+            return
+        session = Session(sid, route, prompt, max_tokens, want_logits, stop_at_eog,
+                          min(chunk, *(w.capability["n_batch"] for w in route)), events, t_start=time.perf_counter())
+        self.sessions[sid] = session
+        session.compute_us = [[] for _ in route]
+        session.opens_waiting = len(route)
+        for i, worker in enumerate(route):
+            worker.sessions.add(sid)
+            self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout), sid=sid)
+
+    def _forward(self, session: Session, stage: int, pos: int, n: int, tokens=None, payload=None) -> None:
+        worker = session.route[stage]
+        last = stage == len(session.route) - 1
+        self._request(worker, P.FORWARD,
+                      Pending("forward", session.sid, worker.identity, stage, 0, now() + self.request_timeout, pos=pos, n=n),
+                      payload=payload, sid=session.sid, pos=pos, n=n, tokens=tokens,
+                      shape=None if payload is None else [n, worker.capability["n_embd"]],
+                      dtype=None if payload is None else "f32",
+                      logits=True if last and session.want_logits else None,
+                      deadline_ms=int(self.request_timeout * 1000))
+
+    def _send_prompt_chunk(self, session: Session) -> None:
+        at = session.prompt_sent
+        piece = session.prompt[at : at + session.chunk]
+        session.prompt_sent += len(piece)
+        self._forward(session, 0, at, len(piece), tokens=piece)
+
+    def _on_forward_result(self, session: Session, pending: Pending, msg: P.Message) -> None:
+        stage, last = pending.stage, len(session.route) - 1
+        if stage < last:
+            if msg.payload is None:
+                self._fail(session, MeshnetError("bad_payload", f"stage {session.label(stage)} returned no residual",
+                                                 session=session.sid), cancel=True)
+                return
+            session.seam_bytes += len(msg.payload)
+            self._forward(session, stage + 1, pending.pos, pending.n, payload=msg.payload)
+            if stage == 0 and session.prompt_sent < len(session.prompt) and pending.pos + pending.n == session.prompt_sent:
+                self._send_prompt_chunk(session)
+            return
+        if pending.pos + pending.n < len(session.prompt):
+            if len(session.route) == 1:  # a one-stage route has no seam to pipeline through
+                self._send_prompt_chunk(session)
+            return  # a prompt chunk other than the last: no token yet
+        token = msg.get("token")
+        if token is None:
+            self._fail(session, MeshnetError("bad_payload", "the tail returned no token", session=session.sid), cancel=True)
+            return
+        logits = None
+        if session.want_logits and msg.payload is not None:
+            logits = np.frombuffer(msg.payload, dtype="<f4").copy()
+        if session.t_first is None:
+            session.t_first = time.perf_counter()
+        session.tokens.append(token)
+        session.events.put(("token", TokenEvent(token, msg.get("piece", b""), logits)))
+        if session.stop_at_eog and msg.get("eog"):
+            self._finish(session, "eog")
+        elif len(session.tokens) >= session.max_tokens:
+            self._finish(session, "length")
+        else:
+            self._forward(session, 0, len(session.prompt) + len(session.tokens) - 1, 1, tokens=[token])
+
+    def _metrics(self, session: Session) -> dict:
+        t_end = time.perf_counter()
+        t_first = session.t_first or t_end
+        n_decode = len(session.tokens) - 1
+        hops = np.array(session.hops_us) if session.hops_us else np.zeros(1)
+        return {
+            "stages": [list((w.offer.start, w.offer.end)) for w in session.route],
+            "prompt_tokens": len(session.prompt),
+            "generated_tokens": len(session.tokens),
+            "ttft_ms": (t_first - session.t_start) * 1e3,
+            "prefill_tok_s": len(session.prompt) / max(t_first - session.t_start, 1e-9),
+            "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
+            "seam_bytes": session.seam_bytes,
+            "hop_us_p50": float(np.percentile(hops, 50)),
+            "hop_us_p99": float(np.percentile(hops, 99)),
+            "stage_compute_us_p50": [float(np.median(c)) if c else None for c in session.compute_us],
+        }
+
+    def _end(self, session: Session, skip_stage: int | None, message_type: str) -> None:
+        session.finished = True
+        self.sessions.pop(session.sid, None)
+        for rid in [rid for rid, p in self.pending.items() if p.sid == session.sid]:
+            del self.pending[rid]
+        for i, worker in enumerate(session.route):
+            worker.sessions.discard(session.sid)
+            if i != skip_stage and worker.identity in self.workers:
+                self._request(worker, message_type,
+                              Pending(message_type, session.sid, worker.identity, i, 0, now() + self.request_timeout),
+                              sid=session.sid)
+
+    def _finish(self, session: Session, reason: str) -> None:
+        self._end(session, None, P.RELEASE)
+        session.events.put(("done", (reason, self._metrics(session))))
+
+    def _fail(self, session: Session, error: MeshnetError, skip_stage: int | None = None, cancel: bool = False) -> None:
+        if session.finished:
+            return
+        self.counters[f"failed_{error.code}"] += 1
+        self._end(session, skip_stage, P.CANCEL if cancel else P.RELEASE)
+        session.events.put(("error", error))
+
+    def _cancel_session(self, sid: int) -> None:
+        session = self.sessions.get(sid)
+        if session is not None and not session.finished:
+            self._fail(session, MeshnetError(P.E_CANCELLED, f"session {sid} was cancelled", session=sid), cancel=True)

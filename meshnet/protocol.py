@@ -1,0 +1,237 @@
+"""The coordinator <-> worker protocol: every message, in one place.
+
+A message is one msgpack header frame, optionally followed by one raw payload frame
+(a residual or logits as little-endian f32, never copied into msgpack). Every header
+carries the protocol version, the message type and a request id; each type's fields
+are checked on receipt (types, ranges, and shape x dtype == payload length) before
+anything uses them. A bad message becomes a ProtocolError with a stable code that
+the receiver sends back as an ERROR message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import MeshnetError
+
+VERSION = 1
+
+# message types
+READY = "ready"            # worker -> coordinator: here I am, with my capability
+HEARTBEAT = "heartbeat"    # both ways, on a clock
+GOODBYE = "goodbye"        # worker -> coordinator: shutting down, forget me
+DISCONNECT = "disconnect"  # coordinator -> worker: I do not know you, announce again
+HEALTH = "health"          # coordinator -> worker: stage statistics please
+CAPABILITY = "capability"  # coordinator -> worker: your capability again please
+OPEN = "open"              # coordinator -> worker: open a session
+FORWARD = "forward"        # coordinator -> worker: run my layers on this input
+CANCEL = "cancel"          # coordinator -> worker: stop and drop a session
+RELEASE = "release"        # coordinator -> worker: free a session's KV
+SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
+TOKENIZE = "tokenize"      # coordinator -> worker: text -> token ids, as llama.cpp does for the model
+DETOKENIZE = "detokenize"  # coordinator -> worker: token ids -> text
+OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
+RESULT = "result"          # reply to FORWARD: residual rows, or the tail's token (+ logits)
+ERROR = "error"            # reply to anything that failed, with a code
+
+MAX_HEADER_BYTES = 64 * 1024
+U64_MAX = (1 << 64) - 1
+
+# error codes carried in ERROR messages and MeshnetError.code
+E_MALFORMED = "malformed"
+E_VERSION = "bad_version"
+E_UNKNOWN_TYPE = "unknown_type"
+E_BAD_FIELD = "bad_field"
+E_OVERSIZED = "oversized"
+E_BAD_PAYLOAD = "bad_payload"
+E_DUPLICATE = "duplicate_request"
+E_BUSY = "busy"
+E_DEADLINE = "deadline_exceeded"
+E_CANCELLED = "cancelled"
+E_STAGE_LOST = "stage_lost"
+E_SHUTTING_DOWN = "shutting_down"
+E_ROUTE = "route_incomplete"
+
+
+class ProtocolError(MeshnetError):
+    """A message that cannot be used; rid is set when the sender's request id was readable."""
+
+    def __init__(self, code: str, message: str, rid: int | None = None, sid: int | None = None):
+        super().__init__(code, message)
+        self.rid = rid
+        self.sid = sid
+
+
+@dataclass
+class Message:
+    type: str
+    rid: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    payload: bytes | memoryview | None = None
+
+    def __getitem__(self, key: str):
+        return self.fields[key]
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+# field checks: (python types, required, extra check or None)
+def _u64(v):
+    return 0 <= v <= U64_MAX
+
+
+def _nonneg(v):
+    return 0 <= v < 1 << 31
+
+
+def _positive(v):
+    return 0 < v < 1 << 31
+
+
+def _shape(v):
+    return len(v) == 2 and all(isinstance(d, int) and 0 < d < 1 << 31 for d in v)
+
+
+def _tokens(v):
+    return all(isinstance(t, int) and -(1 << 31) <= t < 1 << 31 for t in v)
+
+
+def _range(v):
+    return len(v) == 2 and all(isinstance(d, int) and 0 <= d < 1 << 20 for d in v)
+
+
+INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
+
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    READY: {"capability": (DICT, True, None)},
+    HEARTBEAT: {},
+    GOODBYE: {},
+    DISCONNECT: {},
+    HEALTH: {},
+    CAPABILITY: {},
+    OPEN: {"sid": (INT, True, _u64)},
+    FORWARD: {
+        "sid": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "tokens": (LIST, False, _tokens),
+        "shape": (LIST, False, _shape),
+        "dtype": (STR, False, lambda v: v == "f32"),
+        "logits": (BOOL, False, None),
+        "deadline_ms": (INT, False, _positive),
+    },
+    CANCEL: {"sid": (INT, True, _u64)},
+    RELEASE: {"sid": (INT, True, _u64)},
+    SHUTDOWN: {},
+    TOKENIZE: {"text": (STR, True, None), "add_special": (BOOL, False, None), "parse_special": (BOOL, False, None)},
+    DETOKENIZE: {"tokens": (LIST, True, _tokens)},
+    OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
+    RESULT: {
+        "sid": (INT, True, _u64),
+        "n": (INT, True, _positive),
+        "shape": (LIST, False, _shape),
+        "dtype": (STR, False, lambda v: v == "f32"),
+        "token": (INT, False, _nonneg),
+        "eog": (BOOL, False, None),                  # the token ends generation
+        "piece": ((bytes,), False, None),            # the token's text, for streaming
+        "logits_n": (INT, False, _positive),
+        "compute_us": (INT, False, _nonneg),
+    },
+    ERROR: {
+        "code": (STR, True, None),
+        "message": (STR, True, None),
+        "sid": (INT, False, _u64),
+        "context": (DICT, False, None),
+    },
+}
+
+
+def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
+    """Frames for a message: [header] or [header, payload]."""
+    header = {"v": VERSION, "type": msg_type, "rid": rid}
+    header.update({k: v for k, v in fields.items() if v is not None})
+    frames = [msgpack.packb(header, use_bin_type=True)]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+def error_frames(rid: int | None, code: str, message: str, sid: int | None = None, **context) -> list:
+    return encode(ERROR, rid if rid is not None else 0, code=code, message=message, sid=sid, context=context or None)
+
+
+def decode(frames: list, max_payload: int) -> Message:
+    """Parse and validate one message; raises ProtocolError with a code on any defect."""
+    if not frames or len(frames) > 2:
+        raise ProtocolError(E_MALFORMED, f"a message is 1 or 2 frames, got {len(frames)}")
+    raw = frames[0]
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(E_OVERSIZED, f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(E_MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(E_MALFORMED, "header is not a map")
+    rid = header.get("rid")
+    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and _u64(rid) else None
+    sid = header.get("sid") if isinstance(header.get("sid"), int) else None
+    if header.get("v") != VERSION:
+        raise ProtocolError(E_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
+    if rid is None:
+        raise ProtocolError(E_BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)
+    msg_type = header.get("type")
+    schema = SCHEMAS.get(msg_type) if isinstance(msg_type, str) else None
+    if schema is None:
+        raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {msg_type!r}", rid, sid)
+
+    fields = {}
+    for name, (types, required, check) in schema.items():
+        if name not in header:
+            if required:
+                raise ProtocolError(E_BAD_FIELD, f"{msg_type}: field '{name}' is required", rid, sid)
+            continue
+        value = header[name]
+        if isinstance(value, bool) and bool not in types:
+            value = None  # bool is an int subclass: never accept it as one
+        if value is None or not isinstance(value, types) or (check and not check(value)):
+            raise ProtocolError(E_BAD_FIELD, f"{msg_type}: field '{name}' has a bad value {header[name]!r:.80}", rid, sid)
+        fields[name] = value
+    unknown = set(header) - set(schema) - {"v", "type", "rid"}
+    if unknown:
+        raise ProtocolError(E_BAD_FIELD, f"{msg_type}: unknown field(s) {sorted(unknown)}", rid, sid)
+
+    payload = None
+    if len(frames) == 2:
+        payload = frames[1]
+        if len(payload) > max_payload:
+            raise ProtocolError(E_OVERSIZED, f"payload of {len(payload)} bytes is over the {max_payload}-byte limit", rid, sid)
+    return Message(msg_type, rid, fields, payload)
+
+
+def residual_payload(residual: np.ndarray):
+    """The f32 rows as a frame, without a copy when they are already contiguous f32."""
+    return np.ascontiguousarray(residual, dtype="<f4").data
+
+
+def residual_from(msg: Message, n_embd: int) -> np.ndarray:
+    """The residual of a FORWARD/RESULT, checked: shape [n, n_embd], f32, length exact."""
+    shape = msg.get("shape")
+    if shape is None or msg.get("dtype") != "f32" or msg.payload is None:
+        raise ProtocolError(E_BAD_PAYLOAD, f"{msg.type}: a residual needs shape, dtype f32 and a payload frame",
+                            msg.rid, msg.get("sid"))
+    n, width = shape
+    if n != msg["n"] or width != n_embd:
+        raise ProtocolError(
+            "bad_width" if width != n_embd else E_BAD_PAYLOAD,
+            f"{msg.type}: residual shape {shape} does not match n={msg['n']} x n_embd={n_embd}", msg.rid, msg.get("sid"),
+        )
+    if len(msg.payload) != n * width * 4:
+        raise ProtocolError(E_BAD_PAYLOAD, f"{msg.type}: payload is {len(msg.payload)} bytes, shape {shape} x f32 needs "
+                            f"{n * width * 4}", msg.rid, msg.get("sid"))
+    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, width)

@@ -1,0 +1,91 @@
+"""Which workers make a route: plain data in, an ordered list of stages out, or a
+refusal that says why (gap, overlap, hash mismatch, incompatible class).
+
+Nothing here touches sockets or models, so it is tested with plain offers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .errors import MeshnetError
+
+ROUTE_INCOMPLETE = "route_incomplete"
+
+
+@dataclass(frozen=True)
+class StageOffer:
+    worker: str                 # the worker's name
+    model_sha256: str
+    start: int
+    end: int
+    n_layer: int
+    compat_class: tuple         # engine pin, backend, wire dtype
+
+    @property
+    def label(self) -> str:
+        return f"[{self.start},{self.end})"
+
+
+def offer_from_capability(worker: str, capability: dict) -> StageOffer:
+    start, end = capability["layers"]
+    return StageOffer(
+        worker=worker,
+        model_sha256=capability["model_sha256"],
+        start=start,
+        end=end,
+        n_layer=capability["n_layer"],
+        compat_class=(capability["engine_pin"], capability["backend"], capability["wire_dtype"]),
+    )
+
+
+def build_route(offers: Iterable[StageOffer], model_sha256: str | None = None) -> list[StageOffer]:
+    """Stages whose ranges are disjoint and cover [0, n_layer) exactly, in layer order."""
+    offers = list(offers)
+    if model_sha256 is not None:
+        offers = [o for o in offers if o.model_sha256 == model_sha256]
+    if not offers:
+        raise MeshnetError(ROUTE_INCOMPLETE, "no worker has registered" + (f" for model {model_sha256[:12]}" if model_sha256 else ""))
+    models = {o.model_sha256 for o in offers}
+    if len(models) > 1:
+        raise MeshnetError(ROUTE_INCOMPLETE, f"hash mismatch: workers serve {len(models)} different model files "
+                           f"({', '.join(sorted(m[:12] for m in models))})")
+    classes = {o.compat_class for o in offers}
+    if len(classes) > 1:
+        raise MeshnetError(ROUTE_INCOMPLETE, "incompatible class: workers differ in engine pin, backend or wire dtype: "
+                           + "; ".join(" ".join(map(str, c)) for c in sorted(classes)))
+    n_layer = offers[0].n_layer
+
+    by_start: dict[int, list[StageOffer]] = {}
+    for offer in sorted(offers, key=lambda o: (o.start, o.end, o.worker)):
+        by_start.setdefault(offer.start, []).append(offer)
+
+    def chain(at: int) -> list[StageOffer] | None:  # depth-first: ranges are few
+        if at == n_layer:
+            return []
+        for offer in by_start.get(at, []):
+            rest = chain(offer.end)
+            if rest is not None:
+                return [offer, *rest]
+        return None
+
+    route = chain(0)
+    if route is None:
+        raise MeshnetError(ROUTE_INCOMPLETE, _why_no_route(offers, n_layer))
+    return route
+
+
+def _why_no_route(offers: list[StageOffer], n_layer: int) -> str:
+    ordered = sorted(offers, key=lambda o: (o.start, o.end))
+    covered = 0
+    for offer in ordered:
+        if offer.start > covered:
+            return f"gap: no worker holds layers {covered}..{offer.start - 1} of {n_layer}"
+        covered = max(covered, offer.end)
+    if covered < n_layer:
+        return f"gap: no worker holds layers {covered}..{n_layer - 1} of {n_layer}"
+    for a, b in zip(ordered, ordered[1:]):
+        if b.start < a.end and b.start != a.start:
+            return f"overlap: {a.label} and {b.label} both hold layers {b.start}..{min(a.end, b.end) - 1}"
+    return "no chain of registered ranges covers [0, %d) exactly" % n_layer

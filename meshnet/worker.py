@@ -1,0 +1,380 @@
+"""A stage worker: one layer range of one model, served to a coordinator over ZeroMQ.
+
+The socket loop (this module's main thread) never computes: it validates requests,
+answers heartbeats and health, and hands work to one compute thread through a bounded
+queue. Results come back over an inproc pair and go out on the DEALER. The worker
+holds no routing knowledge: it runs its fixed layer range on what it is given, and
+nothing else (no generic tensor or graph execution).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .engine import Entry, Stage
+from .errors import MeshnetError
+from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Backoff, Liveness, Pacer
+
+MAX_QUEUE = 16            # forward requests waiting for compute before "busy"
+SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
+RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
+DEFAULT_DEADLINE_MS = 60_000
+
+
+@dataclass
+class WorkerConfig:
+    coordinator: str
+    model_path: str
+    layers: tuple[int, int] | None
+    model_sha256: str
+    n_ctx: int = 2048
+    max_sessions: int = 8
+    n_batch: int = 512
+    n_threads: int = 0
+    max_queue: int = MAX_QUEUE
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS
+
+
+@dataclass
+class Job:
+    kind: str                  # forward | open | release | cancel | release_all
+    rid: int
+    epoch: int                 # which coordinator connection asked; replies to old ones are dropped
+    sid: int | None = None
+    msg: P.Message | None = None
+    entry: Entry | None = None
+    deadline: float = 0.0
+    fields: dict = field(default_factory=dict)
+
+
+class Compute(threading.Thread):
+    """Owns the stage: every engine call happens on this thread, one job at a time."""
+
+    def __init__(self, stage: Stage, ctx: zmq.Context, endpoint: str):
+        super().__init__(name="meshnet-compute", daemon=True)
+        self.stage = stage
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.connect(endpoint)
+        self.lock = threading.Lock()
+        self.running_sid: int | None = None
+        self.cancelled: collections.deque[int] = collections.deque(maxlen=1024)
+        self.open_sids: set[int] = set()
+        self.epoch = 0            # the socket loop's current coordinator connection
+        self.queue_depth = 0      # the socket loop's count of forwards waiting, for health
+
+    # called from the socket loop
+    def cancel(self, sid: int) -> None:
+        with self.lock:
+            self.cancelled.append(sid)
+            if self.running_sid == sid:
+                self.stage.abort()
+
+    def _is_cancelled(self, sid: int) -> bool:
+        with self.lock:
+            return sid in self.cancelled
+
+    def _reply(self, job: Job, frames: list) -> None:
+        # the loop needs to know which connection asked and whether a forward slot frees up
+        self.sock.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.encode(), *frames], copy=False)
+
+    def _error(self, job: Job, error: MeshnetError) -> None:
+        self._reply(job, P.error_frames(job.rid, error.code, error.message, sid=job.sid))
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                getattr(self, "_do_" + job.kind)(job)
+            except MeshnetError as e:
+                self._error(job, e)
+            except Exception as e:  # a bug must not kill the worker: report it and go on
+                self._error(job, MeshnetError("internal", f"{type(e).__name__}: {e}"))
+        self.sock.close(linger=0)
+
+    def _do_health(self, job: Job) -> None:
+        info = self.stage.info()
+        stats = {
+            "layers": [info.layer_start, info.layer_end],
+            "n_sessions": info.n_sessions,
+            "kv_bytes": info.kv_bytes,
+            "kv_bytes_used": info.kv_bytes_used,
+            "model_bytes": info.model_bytes,
+            "queue_depth": self.queue_depth,
+        }
+        self._reply(job, P.encode(P.OK, job.rid, info=stats))
+
+    def _do_open(self, job: Job) -> None:
+        self.stage.open_session(job.sid)
+        self.open_sids.add(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_release(self, job: Job) -> None:
+        self.stage.release_session(job.sid)
+        self.open_sids.discard(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_cancel(self, job: Job) -> None:
+        if job.sid in self.open_sids:
+            self.stage.release_session(job.sid)
+            self.open_sids.discard(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_tokenize(self, job: Job) -> None:
+        m = job.msg
+        tokens = self.stage.tokenize(m["text"], m.get("add_special", True), m.get("parse_special", False))
+        self._reply(job, P.encode(P.OK, job.rid, info={"tokens": tokens}))
+
+    def _do_detokenize(self, job: Job) -> None:
+        self._reply(job, P.encode(P.OK, job.rid, info={"text": self.stage.detokenize(job.msg["tokens"])}))
+
+    def _do_release_all(self, job: Job) -> None:
+        for sid in list(self.open_sids):
+            self.stage.release_session(sid)
+        self.open_sids.clear()
+
+    def _do_forward(self, job: Job) -> None:
+        if job.epoch != self.epoch:
+            raise MeshnetError(P.E_CANCELLED, "the coordinator that asked for this is gone")
+        if self._is_cancelled(job.sid):
+            raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled")
+        if time.monotonic() > job.deadline:
+            raise MeshnetError(P.E_DEADLINE, "the request's deadline passed while it waited in the queue")
+        with self.lock:
+            self.running_sid = job.sid
+        try:
+            started = time.perf_counter_ns()
+            out = self.stage.forward([job.entry], want_logits=bool(job.fields.get("logits")))
+            compute_us = (time.perf_counter_ns() - started) // 1000
+        except MeshnetError as e:
+            if e.code == "aborted":
+                raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled mid-computation") from None
+            raise
+        finally:
+            with self.lock:
+                self.running_sid = None
+        n = job.entry.n_tokens
+        if self.stage.is_tail:
+            logits = out.logits[0] if out.logits is not None else None
+            token = int(out.greedy[0])
+            self._reply(job, P.encode(P.RESULT, job.rid, payload=None if logits is None else P.residual_payload(logits),
+                                      sid=job.sid, n=n, token=token, eog=self.stage.is_eog(token),
+                                      piece=self.stage.detokenize_bytes([token]), compute_us=compute_us,
+                                      logits_n=None if logits is None else len(logits)))
+        else:
+            self._reply(job, P.encode(P.RESULT, job.rid, payload=P.residual_payload(out.residual), sid=job.sid, n=n,
+                                      shape=list(out.residual.shape), dtype="f32", compute_us=compute_us))
+
+
+class StageWorker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.stage = Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
+                           n_batch=config.n_batch, n_threads=config.n_threads)
+        info = self.stage.info()
+        self.info = info
+        self.capability = {
+            "model_sha256": config.model_sha256,
+            "arch": info.arch,
+            "layers": [info.layer_start, info.layer_end],
+            "n_layer": info.n_layer,
+            "n_embd": info.n_embd,
+            "n_vocab": info.n_vocab,
+            "engine_pin": info.engine_pin,
+            "backend": "CPU",
+            "wire_dtype": "f32",
+            "max_sessions": info.max_sessions,
+            "n_ctx": info.n_ctx,
+            "n_batch": info.n_batch,
+            "admitted_bytes": info.model_bytes + info.kv_bytes + info.compute_bytes,
+            "pid": os.getpid(),
+        }
+        self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
+        self.ctx = zmq.Context()
+        self.results = self.ctx.socket(zmq.PAIR)
+        endpoint = f"inproc://meshnet-results-{uuid.uuid4().hex}"
+        self.results.bind(endpoint)
+        self.compute = Compute(self.stage, self.ctx, endpoint)
+        self.dealer: zmq.Socket | None = None
+        self.epoch = 0
+        self.pending_forwards = 0
+        self.recent_rids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.stopping = False
+        self.handlers = {
+            P.HEALTH: self._health,
+            P.CAPABILITY: self._capability,
+            P.OPEN: self._control,
+            P.RELEASE: self._control,
+            P.CANCEL: self._cancel,
+            P.FORWARD: self._forward,
+            P.SHUTDOWN: self._shutdown,
+            P.TOKENIZE: self._tokenize,
+            P.DETOKENIZE: self._detokenize,
+        }
+
+    # connection
+
+    def _connect(self) -> None:
+        if self.dealer is not None:
+            self.dealer.close(linger=0)
+        self.epoch += 1
+        self.compute.epoch = self.epoch
+        self.recent_rids.clear()
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        # a hard cap far above any valid message: zmq drops such a peer before we allocate
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * (self.max_payload + P.MAX_HEADER_BYTES))
+        sock.connect(self.config.coordinator)
+        self.dealer = sock
+        self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+        self._send(P.encode(P.READY, 0, capability=self.capability))
+
+    def _send(self, frames: list) -> None:
+        try:
+            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the coordinator is not reading: heartbeats will tell whether it is gone
+
+    # requests
+
+    def _handle(self, frames: list) -> None:
+        try:
+            msg = P.decode(frames, self.max_payload)
+        except P.ProtocolError as e:
+            self._send(P.error_frames(e.rid, e.code, e.message, sid=e.sid))
+            return
+        self.coordinator_alive.heard()
+        if msg.type == P.HEARTBEAT:
+            return
+        if msg.type == P.DISCONNECT:
+            self._send(P.encode(P.READY, 0, capability=self.capability))
+            return
+        if msg.rid in self.recent_rids:
+            self._send(P.error_frames(msg.rid, P.E_DUPLICATE, f"request id {msg.rid} was already used", sid=msg.get("sid")))
+            return
+        self.recent_rids[msg.rid] = None
+        if len(self.recent_rids) > RECENT_RIDS:
+            self.recent_rids.popitem(last=False)
+
+        handler = self.handlers.get(msg.type)
+        if handler is None:
+            self._send(P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"a worker does not serve '{msg.type}' messages"))
+            return
+        try:
+            handler(msg)
+        except MeshnetError as e:
+            self._send(P.error_frames(msg.rid, e.code, e.message, sid=msg.get("sid")))
+
+    def _health(self, msg: P.Message) -> None:
+        # the engine's own statistics, read on the compute thread (after the work queued before it)
+        self.compute.queue_depth = self.pending_forwards
+        self.compute.jobs.put(Job("health", msg.rid, self.epoch))
+
+    def _capability(self, msg: P.Message) -> None:
+        self._send(P.encode(P.OK, msg.rid, info=self.capability))
+
+    def _control(self, msg: P.Message) -> None:
+        if msg.type == P.OPEN and self.stopping:
+            raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
+        self.compute.jobs.put(Job(msg.type, msg.rid, self.epoch, sid=msg["sid"]))
+
+    def _cancel(self, msg: P.Message) -> None:
+        self.compute.cancel(msg["sid"])
+        self.compute.jobs.put(Job("cancel", msg.rid, self.epoch, sid=msg["sid"]))
+
+    def _forward(self, msg: P.Message) -> None:
+        if self.stopping:
+            raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down")
+        if self.pending_forwards >= self.config.max_queue:
+            raise MeshnetError(P.E_BUSY, f"{self.pending_forwards} requests are already waiting; try again later")
+        sid, pos, n = msg["sid"], msg["pos"], msg["n"]
+        if self.info.is_head:
+            tokens = msg.get("tokens")
+            if tokens is None or len(tokens) != n or msg.payload is not None:
+                raise P.ProtocolError(P.E_BAD_PAYLOAD, f"the head stage takes n={n} token ids and no payload", msg.rid, sid)
+            entry = Entry(sid, pos, tokens=np.asarray(tokens, dtype=np.int32))
+        else:
+            if msg.get("tokens") is not None:
+                raise P.ProtocolError(P.E_BAD_PAYLOAD, "this stage takes residual rows, not token ids", msg.rid, sid)
+            entry = Entry(sid, pos, residual=P.residual_from(msg, self.info.n_embd))
+        if n > self.info.n_batch:
+            raise P.ProtocolError(P.E_BAD_FIELD, f"n={n} is over this stage's n_batch {self.info.n_batch}", msg.rid, sid)
+        deadline = time.monotonic() + msg.get("deadline_ms", DEFAULT_DEADLINE_MS) / 1000
+        self.pending_forwards += 1
+        self.compute.jobs.put(Job("forward", msg.rid, self.epoch, sid=sid, entry=entry, deadline=deadline,
+                                  fields={"logits": msg.get("logits", False)}))
+
+    def _tokenize(self, msg: P.Message) -> None:
+        self.compute.jobs.put(Job("tokenize", msg.rid, self.epoch, msg=msg))
+
+    def _detokenize(self, msg: P.Message) -> None:
+        self.compute.jobs.put(Job("detokenize", msg.rid, self.epoch, msg=msg))
+
+    def _shutdown(self, msg: P.Message) -> None:
+        self._send(P.encode(P.OK, msg.rid))
+        self.stopping = True
+
+    def _relay_result(self) -> None:
+        epoch_frame, kind_frame, *frames = self.results.recv_multipart()
+        if kind_frame == b"forward":
+            self.pending_forwards -= 1
+        if int.from_bytes(epoch_frame, "little") == self.epoch:
+            self._send(frames)
+
+    # the loop
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self.compute.start()
+        self._connect()
+        pacer = Pacer(self.config.heartbeat_interval)
+        backoff = Backoff()
+        poller = zmq.Poller()
+        poller.register(self.results, zmq.POLLIN)
+        poller.register(self.dealer, zmq.POLLIN)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        while True:
+            events = dict(poller.poll(interval_ms))
+            if self.results in events:
+                self._relay_result()
+            if self.dealer in events:
+                frames = self.dealer.recv_multipart()
+                self._handle(frames)
+                backoff.reset()
+            if self.stopping and self.pending_forwards == 0 and self.compute.jobs.empty():
+                break
+            if self.coordinator_alive.dead():
+                # the coordinator is gone: its sessions are over; announce again, later
+                self.compute.jobs.put(Job("release_all", 0, self.epoch))
+                time.sleep(backoff.next())
+                poller.unregister(self.dealer)
+                self._connect()
+                poller.register(self.dealer, zmq.POLLIN)
+            if pacer.due():
+                self._send(P.encode(P.HEARTBEAT, 0))
+        return self._stop()
+
+    def _stop(self) -> int:
+        self.compute.jobs.put(Job("release_all", 0, self.epoch))
+        self.compute.jobs.put(None)
+        self.compute.join(timeout=30)
+        self._send(P.encode(P.GOODBYE, 0))
+        time.sleep(0.05)  # let the goodbye leave before the socket closes
+        self.dealer.close(linger=100)
+        self.results.close(linger=0)
+        self.ctx.term()
+        self.stage.close()
+        return 0
