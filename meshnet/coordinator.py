@@ -37,7 +37,7 @@ from .tracker import StageOffer, build_route, offer_from_capability
 PREFILL_CHUNK = 64             # prompt tokens per forward request
 REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
 SOCKET_HWM = 10_000            # ZeroMQ high-water mark, messages
-MAX_PAYLOAD = 256 << 20        # largest frame accepted from a worker (logits of a big vocab fit)
+MAX_PAYLOAD = 64 << 20         # largest frame accepted from a worker: a prefill chunk of a big model fits
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
 
 
@@ -142,11 +142,13 @@ class Coordinator:
         heartbeat_liveness: int = HEARTBEAT_LIVENESS,
         prefill_chunk: int = PREFILL_CHUNK,
         request_timeout: float = REQUEST_TIMEOUT,
+        max_payload: int = MAX_PAYLOAD,
     ):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
         self.prefill_chunk = prefill_chunk
         self.request_timeout = request_timeout
+        self.max_payload = max_payload
 
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -154,7 +156,7 @@ class Coordinator:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         self.router.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PAYLOAD)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * max_payload)
         self.router.bind(bind)
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -324,7 +326,7 @@ class Coordinator:
 
     def _on_message(self, identity: bytes, frames: list) -> None:
         try:
-            msg = P.decode(frames, MAX_PAYLOAD)
+            msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
             self.counters["bad_messages"] += 1
             self._send(identity, P.error_frames(e.rid, e.code, e.message, sid=e.sid))

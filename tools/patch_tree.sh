@@ -10,12 +10,12 @@ mode=$1; pristine=$2; shift 2
 apply_one() {  # DIR PATCH [patch options]: no fuzz, no offsets tolerated silently
     local dir=$1 file=$2; shift 2
     local out
-    if ! out=$(patch -d "$dir" -p1 --fuzz=0 --no-backup-if-mismatch --batch "$@" < "$file" 2>&1); then
+    if ! out=$(patch -d "$dir" -p1 --fuzz=0 --no-backup-if-mismatch --forward "$@" < "$file" 2>&1); then
         echo "$out" >&2
         echo "error: $(basename "$file") does not apply cleanly to $dir $*" >&2
         return 1
     fi
-    if grep -qiE 'offset|fuzz' <<<"$out"; then
+    if grep -qiE 'offset|fuzz|reversed|previously applied|skipping' <<<"$out"; then
         echo "$out" >&2
         echo "error: $(basename "$file") applies only with offsets/fuzz; regenerate it" >&2
         return 1
