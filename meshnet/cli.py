@@ -164,6 +164,56 @@ def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, 
 
 
 @main.command()
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
+              help="address of the ROUTER socket workers connect to (loopback unless you say otherwise)")
+@click.option("--prompt", default=None, help="once the route is whole, generate from this text and exit")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--wait", type=click.FloatRange(min=0), default=300, show_default=True,
+              help="seconds to wait for a whole route before giving up (with --prompt)")
+@click.option("--json", "as_json", is_flag=True, help="with --prompt: one JSON object on the last line")
+def coordinator(bind, prompt, max_tokens, wait, as_json):
+    """Track stage workers and route sessions through them.
+
+    Without --prompt it serves until Ctrl-C, printing each change of the route."""
+    import time
+
+    from .coordinator import Coordinator
+
+    with Coordinator(bind) as coord:
+        click.echo(f"coordinator listening on {coord.endpoint}", err=True)
+        if prompt is None:
+            last = None
+            try:
+                while True:
+                    try:
+                        status = "route " + " ".join(f"{o.label}@{o.worker}" for o in coord.route())
+                    except MeshnetError as e:
+                        status = f"no route: {e.message}"
+                    if status != last:
+                        click.echo(status, err=True)
+                        last = status
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                return
+        try:
+            coord.wait_for_route(wait)
+            tokens = coord.tokenize(prompt)
+            session = coord.generate(tokens, max_tokens)
+            stream = None if as_json else _TextStreamer(prompt)
+            for event in session:
+                if stream:
+                    stream(event.piece)
+            text = coord.detokenize(session.tokens)
+        except MeshnetError as e:
+            _fail(e)
+        if as_json:
+            click.echo(json.dumps({"tokens": session.tokens, "text": text,
+                                   "metrics": dict(session.metrics, stop_reason=session.stop_reason)}))
+        else:
+            stream.finish()
+
+
+@main.command()
 @click.argument("model", required=False)
 @click.option("--json", "as_json", is_flag=True)
 def inspect(model, as_json):

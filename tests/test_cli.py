@@ -1,8 +1,11 @@
 """ACCEPTANCE C.3 (for now: run and inspect): the command line a user types."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from meshnet.engine import engine_pin  # noqa: F401  (fails early when the engine is not built)
 from meshnet.gguf_layout import read_layout
@@ -66,3 +69,67 @@ def test_inspect_reports_the_layout_from_the_gguf(smollm2_path):
     assert "Q4_1" in info["quant_types"]
     text = meshnet("inspect")
     assert "layer 29" in text.stdout and "tied" in text.stdout
+
+
+def test_run_in_process_and_on_workers_give_the_same_tokens():
+    prompt = "A good breakfast is"
+    on_workers = meshnet("run", "--json", "--max-tokens", "12", "--threads", str(THREADS), "--prompt", prompt)
+    in_process = meshnet("run", "--json", "--in-process", "--max-tokens", "12", "--threads", str(THREADS), "--prompt", prompt)
+    assert on_workers.returncode == 0 and in_process.returncode == 0, on_workers.stderr + in_process.stderr
+    a, b = last_json_line(on_workers.stdout), last_json_line(in_process.stdout)
+    assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+    assert a["metrics"]["workers"] and not b["metrics"]["workers"]
+    assert a["metrics"]["hop_us_p50"] > 0
+
+
+def test_ctrl_c_during_run_leaves_no_worker_processes():
+    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "1500", "--ctx", "2048",
+                            "--prompt", "Count from one to one thousand: one, two, three,"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        children = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline:
+            children = _children_of(run.pid)
+            time.sleep(0.1)
+        assert len(children) == 2, "meshnet run did not start its two workers"
+        run.stdout.read1(64)  # it is generating
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=30) != 0
+        assert all(not _alive(pid) for pid in children)
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def _children_of(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
+    prompt = "The capital of France is"
+    port = 20000 + os.getpid() % 20000
+    address = f"tcp://127.0.0.1:{port}"
+    coordinator = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "coordinator", "--bind", address, "--prompt", prompt,
+                                    "--max-tokens", "12", "--json", "--wait", "60"], stdout=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", address,
+                                 "--layers", layers, "--threads", str(THREADS)]) for layers in ("0:15", "15:30")]
+    try:
+        out, _ = coordinator.communicate(timeout=120)
+        assert coordinator.returncode == 0
+        report = last_json_line(out)
+        with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
+            assert report["tokens"] == whole.generate(whole.head.tokenize(prompt), 12).tokens
+    finally:
+        for w in workers:
+            w.terminate()
+        assert [w.wait(timeout=30) for w in workers] == [0, 0]
