@@ -49,7 +49,7 @@ class WorkerConfig:
 
 @dataclass
 class Job:
-    kind: str                  # forward | open | release | cancel | release_all
+    kind: str                  # the Compute method that runs it: forward, open, release, cancel, health, ...
     rid: int
     epoch: int                 # which coordinator connection asked; replies to old ones are dropped
     sid: int | None = None
@@ -81,10 +81,6 @@ class Compute(threading.Thread):
             self.cancelled.append(sid)
             if self.running_sid == sid:
                 self.stage.abort()
-
-    def _is_cancelled(self, sid: int) -> bool:
-        with self.lock:
-            return sid in self.cancelled
 
     def _reply(self, job: Job, frames: list) -> None:
         # the loop needs to know which connection asked and whether a forward slot frees up
@@ -147,11 +143,11 @@ class Compute(threading.Thread):
     def _do_forward(self, job: Job) -> None:
         if job.epoch != self.epoch:
             raise MeshnetError(P.E_CANCELLED, "the coordinator that asked for this is gone")
-        if self._is_cancelled(job.sid):
-            raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled")
         if time.monotonic() > job.deadline:
             raise MeshnetError(P.E_DEADLINE, "the request's deadline passed while it waited in the queue")
-        with self.lock:
+        with self.lock:  # from here on a cancel aborts this very computation
+            if job.sid in self.cancelled:
+                raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled")
             self.running_sid = job.sid
         try:
             started = time.perf_counter_ns()
@@ -164,6 +160,9 @@ class Compute(threading.Thread):
         finally:
             with self.lock:
                 self.running_sid = None
+                cancelled = job.sid in self.cancelled
+        if cancelled:  # the cancel came just before the computation could see it
+            raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled")
         n = job.entry.n_tokens
         if self.stage.is_tail:
             logits = out.logits[0] if out.logits is not None else None

@@ -385,3 +385,22 @@ def test_flooding_a_worker_past_its_queue_gives_busy_and_bounded_memory(smollm2_
     finally:
         worker.terminate()
         worker.wait(timeout=20)
+
+
+def test_a_worker_that_loses_its_coordinator_releases_its_sessions_and_announces_again(smollm2_path, fake_coordinator):
+    worker = start_worker(smollm2_path, fake_coordinator.endpoint, (0, 15), "--heartbeat-interval", "0.1",
+                          "--heartbeat-liveness", "5")
+    try:
+        fake = fake_coordinator
+        fake.wait_ready()
+        first_identity = fake.identity
+        assert fake.request(P.OPEN, sid=3).type == P.OK
+        assert fake.request(P.HEALTH)["info"]["n_sessions"] == 1
+        t0 = time.monotonic()
+        fake.wait_ready(timeout=10)  # we stay silent: after 0.5 s it gives us up and announces itself again
+        assert time.monotonic() - t0 < 5
+        assert fake.identity != first_identity
+        assert fake.request(P.HEALTH)["info"]["n_sessions"] == 0
+    finally:
+        worker.terminate()
+        worker.wait(timeout=20)
