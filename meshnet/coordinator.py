@@ -39,6 +39,7 @@ REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
 SOCKET_HWM = 10_000            # ZeroMQ high-water mark, messages
 MAX_PAYLOAD = 64 << 20         # largest frame accepted from a worker: a prefill chunk of a big model fits
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
+CLOCK_PERIOD = 0.01            # seconds between checks of heartbeats, liveness and deadlines
 
 
 @dataclass
@@ -282,36 +283,39 @@ class Coordinator:
         poller.register(self._wake_r, zmq.POLLIN)
         pacer = Pacer(self.heartbeat_interval)
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
+        clocks_at = 0.0
         while self._running:
             events = dict(poller.poll(tick_ms))
             if self.router in events:
                 for _ in range(RECV_BATCH):
-                    try:
-                        frames = self.router.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                    frames = self.router.recv_multipart()  # poll said a whole message is there
                     self._on_message(frames[0], frames[1:])
+                    if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
             if self._wake_r in events:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            while True:
-                try:
-                    fn, future = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    fn(future)
-                except Exception as e:
-                    if not future.done():
-                        future.set_exception(e)
-            if pacer.due():
-                for w in list(self.workers.values()):
-                    self._send(w.identity, P.encode(P.HEARTBEAT, 0))
-            for w in [w for w in self.workers.values() if w.liveness.dead()]:
-                self._lose_worker(w, "stopped answering heartbeats")
-            self._expire_requests()
+                self._run_commands()
+            # heartbeats, liveness and deadlines work at heartbeat scale, not per message
+            if now() >= clocks_at:
+                clocks_at = now() + CLOCK_PERIOD
+                if pacer.due():
+                    for w in list(self.workers.values()):
+                        self._send(w.identity, P.encode(P.HEARTBEAT, 0))
+                for w in [w for w in self.workers.values() if w.liveness.dead()]:
+                    self._lose_worker(w, "stopped answering heartbeats")
+                self._expire_requests()
+
+    def _run_commands(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while not self._commands.empty():
+            fn, future = self._commands.get_nowait()
+            try:
+                fn(future)
+            except Exception as e:
+                if not future.done():
+                    future.set_exception(e)
 
     def _send(self, identity: bytes, frames: list) -> bool:
         try:
