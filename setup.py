@@ -14,6 +14,6 @@ setup(
         "click>=8.1",
         "gguf>=0.10",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "jsonschema>=4"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli:main"]},
 )

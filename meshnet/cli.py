@@ -171,16 +171,22 @@ def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, 
 @click.option("--wait", type=click.FloatRange(min=0), default=300, show_default=True,
               help="seconds to wait for a whole route before giving up (with --prompt)")
 @click.option("--json", "as_json", is_flag=True, help="with --prompt: one JSON object on the last line")
-def coordinator(bind, prompt, max_tokens, wait, as_json):
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+              help="serve Prometheus text at /metrics and JSON at /status on this port (127.0.0.1)")
+def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
     import time
 
     from .coordinator import Coordinator
+    from .metrics import MetricsServer
 
     with Coordinator(bind) as coord:
         click.echo(f"coordinator listening on {coord.endpoint}", err=True)
+        if metrics_port is not None:
+            server = MetricsServer(coord.metrics, metrics_port)
+            click.echo(f"metrics on http://127.0.0.1:{server.port}/metrics and /status", err=True)
         if prompt is None:
             last = None
             try:
@@ -211,6 +217,95 @@ def coordinator(bind, prompt, max_tokens, wait, as_json):
                                    "metrics": dict(session.metrics, stop_reason=session.stop_reason)}))
         else:
             stream.finish()
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:9464", show_default=True,
+              help="a coordinator's metrics address (meshnet coordinator --metrics-port)")
+@click.option("--watch", type=click.FloatRange(min=0.2), default=None, help="refresh every N seconds")
+@click.option("--json", "as_json", is_flag=True)
+def status(url, watch, as_json):
+    """Show a running coordinator's stages: memory, KV, queue, hops, failures."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=10) as response:
+                snapshot = json.loads(response.read())
+        except (urllib.error.URLError, OSError) as e:
+            _fail(MeshnetError("unreachable", f"no coordinator metrics at {url}: {e}"))
+        if as_json:
+            click.echo(json.dumps(snapshot))
+        else:
+            click.echo(_status_table(snapshot))
+        if watch is None:
+            return
+        time.sleep(watch)
+
+
+def _status_table(snapshot: dict) -> str:
+    mib = 1 << 20
+    rows = [f"{'stage':<10} {'worker':<12} {'rss MiB':>8} {'model MiB':>9} {'KV used MiB':>11} {'sessions':>8} "
+            f"{'queue':>5} {'hop p50 us':>10} {'p99 us':>8} {'seam MiB':>8} failures"]
+    for s in snapshot["stages"]:
+        def num(key, scale=1, fmt="{:.1f}"):
+            return fmt.format(s[key] / scale) if s.get(key) is not None else "-"
+        failures = ", ".join(f"{k}={v}" for k, v in {**s.get("errors", {}), **s.get("reply_errors", {})}.items()) or "0"
+        rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "
+                    f"{num('kv_bytes_used', mib):>11} {num('n_sessions', fmt='{:.0f}'):>8} {num('queue_depth', fmt='{:.0f}'):>5} "
+                    f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}")
+    sessions = ", ".join(f"{k} {v}" for k, v in snapshot["sessions"].items())
+    return "\n".join(rows) + f"\nsessions: {sessions}"
+
+
+@main.command()
+@click.option("--model", "model_names", default="smollm2", show_default=True, help="comma-separated model names or paths")
+@click.option("--stages", type=click.IntRange(min=2), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="runs of each prompt per configuration")
+@click.option("--decode", "n_decode", type=click.IntRange(min=1), default=64, show_default=True, help="tokens decoded per run")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--configs", default=",".join(("whole", "stages", "workers")), show_default=True,
+              help="which of whole, stages, workers to run")
+@click.option("--json", "as_json", is_flag=True)
+def bench(model_names, stages, repeats, n_decode, threads, configs, as_json):
+    """Whole model vs N stages in one process vs N worker processes, side by side."""
+    from .bench import CONFIGS, format_report, run_bench
+
+    chosen = tuple(c for c in configs.split(",") if c)
+    if not chosen or set(chosen) - set(CONFIGS):
+        raise click.BadParameter(f"choose from {', '.join(CONFIGS)}", param_hint="--configs")
+    reports = []
+    try:
+        for name in model_names.split(","):
+            report = run_bench(name, stages, repeats, n_decode, threads, chosen)
+            reports.append(report)
+            if not as_json:
+                click.echo(format_report(report))
+    except MeshnetError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(reports))
+
+
+@main.command()
+@click.option("--model", default=models.DEFAULT_MODEL, show_default=True, help="model name or GGUF path")
+@click.option("--out", "out_dir", default="evidence", show_default=True, help="where the run's directory is written")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+def accept(model, out_dir, threads):
+    """Run the local two-process acceptance and write evidence/<run-id>/ (manifest + README)."""
+    from .accept import run_acceptance
+
+    try:
+        manifest, run_dir = run_acceptance(model, out_dir, threads)
+    except MeshnetError as e:
+        _fail(e)
+    for check in manifest["checks"]:
+        click.echo(f"{check['status']:>8}  {check['name']}" + (f"  ({check['reason']})" if "reason" in check else "")
+                   + (f"  {check['error']}" if "error" in check and check["status"] != "passed" else ""))
+    click.echo(f"{'PASSED' if manifest['passed'] else 'FAILED'}: evidence in {run_dir}")
+    sys.exit(0 if manifest["passed"] else 1)
 
 
 @main.command()

@@ -32,6 +32,7 @@ import zmq
 from . import protocol as P
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
+from .metrics import percentiles
 from .tracker import StageOffer, build_route, offer_from_capability
 
 PREFILL_CHUNK = 64             # prompt tokens per forward request
@@ -50,6 +51,11 @@ class WorkerRecord:
     offer: StageOffer
     liveness: Liveness
     sessions: set[int] = field(default_factory=set)
+    # measured here: hop = round trip minus the worker's own time (its two timestamps)
+    hops_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
+    seam_bytes: int = 0
+    replies: int = 0
+    errors: collections.Counter = field(default_factory=collections.Counter)
 
 
 @dataclass
@@ -254,6 +260,28 @@ class Coordinator:
         futures = self._submit(ask).result(timeout)
         return [dict(fut.result(timeout)) for fut in futures]
 
+    def metrics(self, timeout: float = 10.0) -> dict:
+        """Every stage's numbers (the worker's own, from HEALTH, and the hops measured
+        here) and the coordinator's counters: what `meshnet status` and /metrics show."""
+        def ask(f):
+            workers = sorted(self.workers.values(), key=lambda w: w.offer.start)
+            mine = [{
+                "stage": w.offer.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
+                "reply_errors": dict(w.errors), **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
+            } for w in workers]
+            f.set_result((mine, [self._query(w, P.HEALTH, {}) for w in workers], dict(self.counters)))
+        mine, futures, counters = self._submit(ask).result(timeout)
+        stages = []
+        for here, future in zip(mine, futures):
+            try:
+                theirs = future.result(timeout)
+            except MeshnetError as e:
+                theirs = {"unreachable": e.message}
+            stages.append({**theirs, **here, "requests": sum(theirs.get("requests", {}).values())})
+        sessions = {k.removeprefix("failed_"): v for k, v in counters.items() if k.startswith("failed_")}
+        sessions["completed"] = counters.get("sessions_completed", 0)
+        return {"stages": stages, "sessions": sessions, "counters": counters}
+
     def shutdown_workers(self) -> None:
         def ask(f):
             for w in list(self.workers.values()):
@@ -356,6 +384,9 @@ class Coordinator:
             if pending is None or pending.worker != identity:
                 self.counters["late_replies"] += 1  # for a session that already ended
                 return
+            worker.replies += 1
+            if msg.type == P.ERROR:
+                worker.errors[msg["code"]] += 1
             self._on_reply(worker, pending, msg)
             return
         self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
@@ -446,7 +477,8 @@ class Coordinator:
                                              session=session.sid), cancel=True)
             return
         rtt_us = (time.perf_counter_ns() - pending.sent_ns) / 1000
-        hop_us = max(0.0, rtt_us - msg.get("compute_us", 0))
+        hop_us = max(0.0, rtt_us - msg.get("worker_us", msg.get("compute_us", 0)))
+        worker.hops_us.append(hop_us)
         session.hops_us.append(hop_us)
         session.compute_us[pending.stage].append(msg.get("compute_us", 0))
         self.hop_us.append(hop_us)
@@ -484,6 +516,8 @@ class Coordinator:
 
     def _forward(self, session: Session, stage: int, pos: int, n: int, tokens=None, payload=None) -> None:
         worker = session.route[stage]
+        if payload is not None:
+            worker.seam_bytes += len(payload)
         last = stage == len(session.route) - 1
         self._request(worker, P.FORWARD,
                       Pending("forward", session.sid, worker.identity, stage, 0, now() + self.request_timeout, pos=pos, n=n),
@@ -564,6 +598,7 @@ class Coordinator:
                               sid=session.sid)
 
     def _finish(self, session: Session, reason: str) -> None:
+        self.counters["sessions_completed"] += 1
         self._end(session, None, P.RELEASE)
         session.events.put(("done", (reason, self._metrics(session))))
 

@@ -140,7 +140,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "eog": (BOOL, False, None),                  # the token ends generation
         "piece": ((bytes,), False, None),            # the token's text, for streaming
         "logits_n": (INT, False, _positive),
-        "compute_us": (INT, False, _nonneg),
+        "compute_us": (INT, False, _nonneg),        # the engine's forward call
+        "worker_us": (INT, False, _nonneg),         # the worker's receipt of the request to its reply
     },
     ERROR: {
         "code": (STR, True, None),

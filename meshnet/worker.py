@@ -25,11 +25,15 @@ from . import protocol as P
 from .engine import Entry, Stage
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Backoff, Liveness, Pacer
+from .metrics import rss_bytes
 
 MAX_QUEUE = 16            # forward requests waiting for compute before "busy"
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 DEFAULT_DEADLINE_MS = 60_000
+# test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
+# so that tests can prove `meshnet accept` notices; never set outside tests
+TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Job:
     entry: Entry | None = None
     deadline: float = 0.0
     fields: dict = field(default_factory=dict)
+    t_recv_ns: int = 0         # when the socket loop received the request
 
 
 class Compute(threading.Thread):
@@ -74,6 +79,9 @@ class Compute(threading.Thread):
         self.open_sids: set[int] = set()
         self.epoch = 0            # the socket loop's current coordinator connection
         self.queue_depth = 0      # the socket loop's count of forwards waiting, for health
+        self.errors: collections.Counter = collections.Counter()   # compute-side failures by code
+        self.forwards = 0
+        self.compute_us_total = 0
 
     # called from the socket loop
     def cancel(self, sid: int) -> None:
@@ -87,6 +95,7 @@ class Compute(threading.Thread):
         self.sock.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.encode(), *frames], copy=False)
 
     def _error(self, job: Job, error: MeshnetError) -> None:
+        self.errors[error.code] += 1
         self._reply(job, P.error_frames(job.rid, error.code, error.message, sid=job.sid))
 
     def run(self) -> None:
@@ -101,14 +110,20 @@ class Compute(threading.Thread):
 
     def _do_health(self, job: Job) -> None:
         info = self.stage.info()
-        stats = {
+        stats = dict(job.fields, **{
             "layers": [info.layer_start, info.layer_end],
             "n_sessions": info.n_sessions,
             "kv_bytes": info.kv_bytes,
             "kv_bytes_used": info.kv_bytes_used,
             "model_bytes": info.model_bytes,
+            "compute_bytes": info.compute_bytes,
+            "rss_bytes": rss_bytes(),
             "queue_depth": self.queue_depth,
-        }
+            "forwards": self.forwards,
+            "compute_us_total": self.compute_us_total,
+        })
+        for code, n in self.errors.items():
+            stats["errors"][code] = stats["errors"].get(code, 0) + n
         self._reply(job, P.encode(P.OK, job.rid, info=stats))
 
     def _do_open(self, job: Job) -> None:
@@ -153,6 +168,8 @@ class Compute(threading.Thread):
             started = time.perf_counter_ns()
             out = self.stage.forward([job.entry], want_logits=bool(job.fields.get("logits")))
             compute_us = (time.perf_counter_ns() - started) // 1000
+            self.forwards += 1
+            self.compute_us_total += compute_us
         except MeshnetError as e:
             if e.code == "aborted":
                 raise MeshnetError(P.E_CANCELLED, f"session {job.sid} was cancelled mid-computation") from None
@@ -166,14 +183,18 @@ class Compute(threading.Thread):
         n = job.entry.n_tokens
         if self.stage.is_tail:
             logits = out.logits[0] if out.logits is not None else None
+            if TEST_FAULT == "wrong_logits" and logits is not None:
+                logits = logits + 0.25
             token = int(out.greedy[0])
             self._reply(job, P.encode(P.RESULT, job.rid, payload=None if logits is None else P.residual_payload(logits),
                                       sid=job.sid, n=n, token=token, eog=self.stage.is_eog(token),
                                       piece=self.stage.detokenize_bytes([token]), compute_us=compute_us,
+                                      worker_us=(time.perf_counter_ns() - job.t_recv_ns) // 1000,
                                       logits_n=None if logits is None else len(logits)))
         else:
             self._reply(job, P.encode(P.RESULT, job.rid, payload=P.residual_payload(out.residual), sid=job.sid, n=n,
-                                      shape=list(out.residual.shape), dtype="f32", compute_us=compute_us))
+                                      shape=list(out.residual.shape), dtype="f32", compute_us=compute_us,
+                                      worker_us=(time.perf_counter_ns() - job.t_recv_ns) // 1000))
 
 
 class StageWorker:
@@ -210,6 +231,8 @@ class StageWorker:
         self.pending_forwards = 0
         self.recent_rids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.stopping = False
+        self.requests: collections.Counter = collections.Counter()   # by message type
+        self.errors: collections.Counter = collections.Counter()     # refused at the socket loop, by code
         self.handlers = {
             P.HEALTH: self._health,
             P.CAPABILITY: self._capability,
@@ -249,11 +272,16 @@ class StageWorker:
 
     # requests
 
+    def _refuse(self, rid, code: str, message: str, sid=None) -> None:
+        self.errors[code] += 1
+        self._send(P.error_frames(rid, code, message, sid=sid))
+
     def _handle(self, frames: list) -> None:
+        t_recv_ns = time.perf_counter_ns()
         try:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
-            self._send(P.error_frames(e.rid, e.code, e.message, sid=e.sid))
+            self._refuse(e.rid, e.code, e.message, e.sid)
             return
         self.coordinator_alive.heard()
         if msg.type == P.HEARTBEAT:
@@ -261,8 +289,9 @@ class StageWorker:
         if msg.type == P.DISCONNECT:
             self._send(P.encode(P.READY, 0, capability=self.capability))
             return
+        self.requests[msg.type] += 1
         if msg.rid in self.recent_rids:
-            self._send(P.error_frames(msg.rid, P.E_DUPLICATE, f"request id {msg.rid} was already used", sid=msg.get("sid")))
+            self._refuse(msg.rid, P.E_DUPLICATE, f"request id {msg.rid} was already used", msg.get("sid"))
             return
         self.recent_rids[msg.rid] = None
         if len(self.recent_rids) > RECENT_RIDS:
@@ -270,31 +299,32 @@ class StageWorker:
 
         handler = self.handlers.get(msg.type)
         if handler is None:
-            self._send(P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"a worker does not serve '{msg.type}' messages"))
+            self._refuse(msg.rid, P.E_UNKNOWN_TYPE, f"a worker does not serve '{msg.type}' messages")
             return
         try:
-            handler(msg)
+            handler(msg, t_recv_ns)
         except MeshnetError as e:
-            self._send(P.error_frames(msg.rid, e.code, e.message, sid=msg.get("sid")))
+            self._refuse(msg.rid, e.code, e.message, msg.get("sid"))
 
-    def _health(self, msg: P.Message) -> None:
+    def _health(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         # the engine's own statistics, read on the compute thread (after the work queued before it)
         self.compute.queue_depth = self.pending_forwards
-        self.compute.jobs.put(Job("health", msg.rid, self.epoch))
+        self.compute.jobs.put(Job("health", msg.rid, self.epoch, fields={
+            "requests": dict(self.requests), "errors": dict(self.errors), "stopping": self.stopping}))
 
-    def _capability(self, msg: P.Message) -> None:
+    def _capability(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self._send(P.encode(P.OK, msg.rid, info=self.capability))
 
-    def _control(self, msg: P.Message) -> None:
+    def _control(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         if msg.type == P.OPEN and self.stopping:
             raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
         self.compute.jobs.put(Job(msg.type, msg.rid, self.epoch, sid=msg["sid"]))
 
-    def _cancel(self, msg: P.Message) -> None:
+    def _cancel(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self.compute.cancel(msg["sid"])
         self.compute.jobs.put(Job("cancel", msg.rid, self.epoch, sid=msg["sid"]))
 
-    def _forward(self, msg: P.Message) -> None:
+    def _forward(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         if self.stopping:
             raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down")
         if self.pending_forwards >= self.config.max_queue:
@@ -314,15 +344,15 @@ class StageWorker:
         deadline = time.monotonic() + msg.get("deadline_ms", DEFAULT_DEADLINE_MS) / 1000
         self.pending_forwards += 1
         self.compute.jobs.put(Job("forward", msg.rid, self.epoch, sid=sid, entry=entry, deadline=deadline,
-                                  fields={"logits": msg.get("logits", False)}))
+                                  fields={"logits": msg.get("logits", False)}, t_recv_ns=t_recv_ns))
 
-    def _tokenize(self, msg: P.Message) -> None:
+    def _tokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self.compute.jobs.put(Job("tokenize", msg.rid, self.epoch, msg=msg))
 
-    def _detokenize(self, msg: P.Message) -> None:
+    def _detokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self.compute.jobs.put(Job("detokenize", msg.rid, self.epoch, msg=msg))
 
-    def _shutdown(self, msg: P.Message) -> None:
+    def _shutdown(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self._send(P.encode(P.OK, msg.rid))
         self.stopping = True
 

@@ -1,0 +1,97 @@
+"""Numbers measured where they happen, and the two ways out: a JSON snapshot and
+Prometheus text on an opt-in HTTP port (loopback unless told otherwise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterable
+
+import numpy as np
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process, from /proc (0 where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def percentiles(values: Iterable[float], points=(50, 99)) -> dict:
+    data = np.fromiter(values, dtype=np.float64)
+    if data.size == 0:
+        return {f"p{p}": None for p in points}
+    return {f"p{p}": float(np.percentile(data, p)) for p in points}
+
+
+def prometheus_text(snapshot: dict) -> str:
+    """The coordinator's snapshot as Prometheus exposition text."""
+    lines = []
+
+    def metric(name, kind, help_text, samples):
+        lines.append(f"# HELP meshnet_{name} {help_text}")
+        lines.append(f"# TYPE meshnet_{name} {kind}")
+        for labels, value in samples:
+            if value is None:
+                continue
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(f"meshnet_{name}{{{label_text}}} {value}")
+
+    stages = snapshot.get("stages", [])
+    per_stage = [
+        ("stage_rss_bytes", "gauge", "resident memory of the stage's worker process", "rss_bytes"),
+        ("stage_model_bytes", "gauge", "weight bytes the stage loaded", "model_bytes"),
+        ("stage_kv_bytes_used", "gauge", "KV cache bytes holding tokens of open sessions", "kv_bytes_used"),
+        ("stage_queue_depth", "gauge", "forward requests waiting on the stage", "queue_depth"),
+        ("stage_sessions", "gauge", "sessions open on the stage", "n_sessions"),
+        ("seam_bytes_total", "counter", "residual bytes sent into the stage", "seam_bytes"),
+        ("hop_latency_us_p50", "gauge", "round trip to the stage minus its own time, median", "hop_us_p50"),
+        ("hop_latency_us_p99", "gauge", "round trip to the stage minus its own time, 99th percentile", "hop_us_p99"),
+        ("stage_requests_total", "counter", "requests the stage answered", "requests"),
+    ]
+    for name, kind, help_text, key in per_stage:
+        metric(name, kind, help_text, [({"stage": s["stage"], "worker": s["worker"]}, s.get(key)) for s in stages])
+    metric("stage_failures_total", "counter", "requests the stage answered with an error, by code",
+           [({"stage": s["stage"], "code": code}, n) for s in stages for code, n in s.get("errors", {}).items()])
+    metric("sessions_total", "counter", "sessions by outcome",
+           [({"outcome": k}, v) for k, v in snapshot.get("sessions", {}).items()])
+    metric("workers", "gauge", "registered workers", [({}, len(stages))])
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """GET /metrics: Prometheus text; GET /status: the JSON snapshot."""
+
+    def __init__(self, snapshot: Callable[[], dict], port: int, host: str = "127.0.0.1"):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.startswith("/metrics"):
+                    body, kind = prometheus_text(snapshot()).encode(), "text/plain; version=0.0.4"
+                elif self.path.startswith("/status"):
+                    body, kind = json.dumps(snapshot()).encode(), "application/json"
+                else:
+                    self.send_error(404, "try /metrics or /status")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="meshnet-metrics", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,90 @@
+"""ACCEPTANCE section D: metrics, `meshnet bench`, and `meshnet accept` evidence."""
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+
+from meshnet.cluster import LocalCluster
+from meshnet.metrics import MetricsServer
+
+from conftest import THREADS
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "evidence" / "manifest.schema.json").read_text())
+
+
+def meshnet(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def manifest_in(out_dir: Path) -> dict:
+    (run_dir,) = out_dir.iterdir()
+    assert (run_dir / "README.md").read_text().startswith("# meshnet acceptance run")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    jsonschema.validate(manifest, SCHEMA)
+    return manifest
+
+
+def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
+    result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    manifest = manifest_in(tmp_path)
+    assert manifest["passed"]
+    checks = {c["name"]: c for c in manifest["checks"]}
+    assert all(c["status"] == "passed" for c in checks.values())
+    assert checks["whole_model_parity"]["max_abs_logit_diff"] == 0.0
+    assert checks["kill_worker"]["error"]["code"] == "stage_lost"
+    assert manifest["identity"]["model"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert manifest["metrics"]["session"]["decode_tok_s"] > 0
+    assert all(s["rss_bytes"] > 0 for s in manifest["metrics"]["stages"])
+
+
+def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path):
+    env = dict(os.environ, MESHNET_TEST_FAULT="wrong_logits")  # test-only: the tail worker corrupts its logits
+    result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS), env=env)
+    assert result.returncode == 1
+    assert "failed  whole_model_parity" in result.stdout
+    manifest = manifest_in(tmp_path)
+    assert not manifest["passed"]
+    parity = next(c for c in manifest["checks"] if c["name"] == "whole_model_parity")
+    assert parity["status"] == "failed" and parity["max_abs_logit_diff"] > 0
+
+
+def test_bench_prints_all_three_configurations_with_spread():
+    result = meshnet("bench", "--repeats", "1", "--decode", "8", "--threads", str(THREADS), "--json")
+    assert result.returncode == 0, result.stderr
+    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
+    configs = report["configs"]
+    assert set(configs) == {"whole", "stages", "workers"}
+    for entry in configs.values():
+        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == 3
+        assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
+    assert configs["whole"]["decode_tok_s_ratio"] == 1.0
+    assert configs["workers"]["hop_us_p50"]["median"] > 0
+    assert configs["workers"]["seam_bytes_per_token"]["median"] == 576 * 4
+    assert len(configs["workers"]["rss_bytes"]) == 2
+
+
+def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
+    with LocalCluster(smollm2_path, [(0, 15), (15, 30)], threads=THREADS, n_ctx=256, max_sessions=1) as cluster:
+        coordinator = cluster.coordinator
+        prompt = coordinator.tokenize("Hello there")
+        coordinator.generate(prompt, 4, stop_at_eog=False).result()
+        server = MetricsServer(coordinator.metrics, 0)
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read().decode()
+            status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/status").read())
+        finally:
+            server.close()
+    assert 'meshnet_stage_rss_bytes{stage="[0,15)"' in text
+    assert "meshnet_hop_latency_us_p50" in text and 'meshnet_sessions_total{outcome="completed"} 1' in text
+    tail = status["stages"][1]
+    assert tail["stage"] == "[15,30)"
+    assert tail["seam_bytes"] == (len(prompt) + 3) * 576 * 4  # the prompt, then 3 decode steps, f32 rows
+    assert tail["model_bytes"] > 0 and tail["forwards"] == 4 and tail["rss_bytes"] > tail["model_bytes"]
