@@ -215,9 +215,10 @@ def decode(frames: list, max_payload: int) -> Message:
     return Message(msg_type, rid, fields, payload)
 
 
-def residual_payload(residual: np.ndarray):
-    """The f32 rows as a frame, without a copy when they are already contiguous f32."""
-    return np.ascontiguousarray(residual, dtype="<f4").data
+def f32_payload(array: np.ndarray):
+    """Residual rows or logits as a raw little-endian f32 frame, without a copy when the
+    array already is contiguous f32."""
+    return np.ascontiguousarray(array, dtype="<f4").data
 
 
 def residual_from(msg: Message, n_embd: int) -> np.ndarray:

@@ -186,13 +186,13 @@ class Compute(threading.Thread):
             if TEST_FAULT == "wrong_logits" and logits is not None:
                 logits = logits + 0.25
             token = int(out.greedy[0])
-            self._reply(job, P.encode(P.RESULT, job.rid, payload=None if logits is None else P.residual_payload(logits),
+            self._reply(job, P.encode(P.RESULT, job.rid, payload=None if logits is None else P.f32_payload(logits),
                                       sid=job.sid, n=n, token=token, eog=self.stage.is_eog(token),
                                       piece=self.stage.detokenize_bytes([token]), compute_us=compute_us,
                                       worker_us=(time.perf_counter_ns() - job.t_recv_ns) // 1000,
                                       logits_n=None if logits is None else len(logits)))
         else:
-            self._reply(job, P.encode(P.RESULT, job.rid, payload=P.residual_payload(out.residual), sid=job.sid, n=n,
+            self._reply(job, P.encode(P.RESULT, job.rid, payload=P.f32_payload(out.residual), sid=job.sid, n=n,
                                       shape=list(out.residual.shape), dtype="f32", compute_us=compute_us,
                                       worker_us=(time.perf_counter_ns() - job.t_recv_ns) // 1000))
 

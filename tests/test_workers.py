@@ -301,18 +301,18 @@ def test_malformed_messages_at_the_worker_get_structured_errors_and_it_keeps_ser
         bad(P.encode(P.FORWARD, 8, payload=b"\0" * (4 * 512 * n_embd + 4), sid=7, pos=0, n=1, shape=[1, n_embd], dtype="f32"),
             "oversized")
         wrong_width = np.zeros((len(prompt_tokens), n_embd - 8), np.float32)
-        bad(P.encode(P.FORWARD, 9, payload=P.residual_payload(wrong_width), sid=7, pos=0, n=len(prompt_tokens),
+        bad(P.encode(P.FORWARD, 9, payload=P.f32_payload(wrong_width), sid=7, pos=0, n=len(prompt_tokens),
                      shape=list(wrong_width.shape), dtype="f32"), "bad_width")
         bad(P.encode(P.FORWARD, 10, payload=residual.astype(np.float64).tobytes(), sid=7, pos=0, n=len(prompt_tokens),
                      shape=list(residual.shape), dtype="f64"), "bad_field")
         bad(P.encode(P.FORWARD, 11, payload=residual.tobytes()[:-4], sid=7, pos=0, n=len(prompt_tokens),
                      shape=list(residual.shape), dtype="f32"), "bad_payload")
-        bad(P.encode(P.FORWARD, 12, payload=P.residual_payload(residual), sid=12345, pos=0, n=len(prompt_tokens),
+        bad(P.encode(P.FORWARD, 12, payload=P.f32_payload(residual), sid=12345, pos=0, n=len(prompt_tokens),
                      shape=list(residual.shape), dtype="f32"), "unknown_session")
         bad(P.encode(P.OPEN, 12, sid=8), "duplicate_request")  # rid 12 was used just above
 
         # after all that, the session gives exactly the whole model's first token
-        result = fake.request(P.FORWARD, payload=P.residual_payload(residual), sid=7, pos=0, n=len(prompt_tokens),
+        result = fake.request(P.FORWARD, payload=P.f32_payload(residual), sid=7, pos=0, n=len(prompt_tokens),
                               shape=list(residual.shape), dtype="f32")
         assert result.type == P.RESULT and result["token"] == expected.tokens[0]
         health = fake.request(P.HEALTH)
