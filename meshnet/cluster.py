@@ -94,4 +94,3 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.close()
-

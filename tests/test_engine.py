@@ -33,24 +33,22 @@ def smollm2_whole(smollm2_path):
     return generate(smollm2_path, [])
 
 
-@pytest.mark.parametrize("seams", [[1], [15], [29], [10, 20]], ids=lambda s: "seams" + "-".join(map(str, s)))
-def test_split_gives_whole_model_tokens_and_logits_smollm2(smollm2_path, smollm2_whole, seams):
-    split = generate(smollm2_path, seams)
+def assert_split_matches_whole(path, seams, whole):
+    split = generate(path, seams)
     assert len(split.tokens) == N_NEW
-    assert split.tokens == smollm2_whole.tokens
-    diff = max_logit_diff(split, smollm2_whole)
+    assert split.tokens == whole.tokens
+    diff = max_logit_diff(split, whole)
     print(f"seams {seams}: max |dlogit| over {N_NEW} steps = {diff}")
     assert diff == 0.0
 
 
+@pytest.mark.parametrize("seams", [[1], [15], [29], [10, 20]], ids=lambda s: "seams" + "-".join(map(str, s)))
+def test_split_gives_whole_model_tokens_and_logits_smollm2(smollm2_path, smollm2_whole, seams):
+    assert_split_matches_whole(smollm2_path, seams, smollm2_whole)
+
+
 def test_split_gives_whole_model_tokens_and_logits_qwen2(qwen_path):
-    whole = generate(qwen_path, [])
-    split = generate(qwen_path, [14])
-    assert len(whole.tokens) == N_NEW
-    assert split.tokens == whole.tokens
-    diff = max_logit_diff(split, whole)
-    print(f"qwen2 seam 14: max |dlogit| over {N_NEW} steps = {diff}")
-    assert diff == 0.0
+    assert_split_matches_whole(qwen_path, [14], generate(qwen_path, []))
 
 
 def test_head_holds_only_embeddings_and_its_layers(smollm2_path):
