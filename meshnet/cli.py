@@ -9,14 +9,14 @@ import sys
 import click
 
 from . import models
-from .errors import MeshnetError
+from .errors import MeshnetError, exit_status
 
 DEFAULT_PROMPT = "The capital of France is"
 
 
 def _fail(error: MeshnetError):
     click.echo(f"error: {error}", err=True)
-    sys.exit(1)
+    sys.exit(exit_status(error.code))
 
 
 @click.group()

@@ -4,6 +4,22 @@ person can act on, and the context (stage, session, ...) that locates it."""
 from __future__ import annotations
 
 
+# The CLI's exit status says which kind of problem it was, from the same code.
+EXIT_STATUS = {
+    **dict.fromkeys(("not_gguf", "model_not_found", "model_checksum", "unknown_model", "model_load",
+                     "unsupported_arch", "bad_range", "engine_missing", "engine_mismatch"), 3),   # the model or engine
+    **dict.fromkeys(("route_incomplete", "stage_lost", "unreachable", "deadline_exceeded", "busy",
+                     "shutting_down"), 4),                                                      # the workers
+    **dict.fromkeys(("context_full", "bad_token", "bad_width", "invalid_argument", "too_many_sessions",
+                     "unknown_session", "cancelled"), 5),                                       # the request
+}
+
+
+def exit_status(code: str) -> int:
+    """1 for anything not listed; 2 is click's, for a bad command line."""
+    return EXIT_STATUS.get(code, 1)
+
+
 class MeshnetError(Exception):
     def __init__(self, code: str, message: str, **context):
         super().__init__(message)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from meshnet.engine import engine_pin  # noqa: F401  (fails early when the engine is not built)
 from meshnet.gguf_layout import read_layout
@@ -51,10 +52,12 @@ def test_run_stages_flag_splits_evenly():
     assert last_json_line(result.stdout)["metrics"]["stages"] == [[0, 10], [10, 20], [20, 30]]
 
 
-def test_run_refuses_a_split_outside_the_model():
+def test_run_refuses_a_split_outside_the_model_with_the_code_and_its_exit_status():
     result = meshnet("run", "--split", "40")
-    assert result.returncode == 1
+    assert result.returncode == 3  # a problem with the model or its range
     assert "error: [bad_range]" in result.stderr
+    missing = meshnet("run", "--model", "/nonexistent/model.gguf")
+    assert missing.returncode == 3 and "[model_not_found]" in missing.stderr
 
 
 def test_inspect_reports_the_layout_from_the_gguf(smollm2_path):
@@ -103,8 +106,15 @@ def test_ctrl_c_during_run_leaves_no_worker_processes():
 
 
 def _children_of(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            children.append(int(stat.parent.name))
+    return children
 
 
 def _alive(pid):
