@@ -173,7 +173,6 @@ class Coordinator:
         self._rids = itertools.count(secrets.randbits(40))
         self._sids = itertools.count(secrets.randbits(40))
         self.counters: collections.Counter = collections.Counter()
-        self.hop_us: collections.deque[float] = collections.deque(maxlen=100_000)
 
         self._commands: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -445,7 +444,9 @@ class Coordinator:
         t = now()
         for rid in [rid for rid, p in self.pending.items() if p.deadline < t]:
             pending = self.pending.pop(rid)
-            error = MeshnetError(P.E_DEADLINE, f"no answer from stage {pending.stage} within {self.request_timeout:.0f} s")
+            worker = self.workers.get(pending.worker)
+            where = f"stage {worker.offer.label} (worker {worker.name})" if worker else "a worker that has since gone"
+            error = MeshnetError(P.E_DEADLINE, f"no answer from {where} within {self.request_timeout:.0f} s")
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(error)
             session = self.sessions.get(pending.sid) if pending.sid is not None else None
@@ -481,7 +482,6 @@ class Coordinator:
         worker.hops_us.append(hop_us)
         session.hops_us.append(hop_us)
         session.compute_us[pending.stage].append(msg.get("compute_us", 0))
-        self.hop_us.append(hop_us)
         self._on_forward_result(session, pending, msg)
 
     # ---- sessions ---------------------------------------------------------------------
