@@ -404,3 +404,17 @@ def test_a_worker_that_loses_its_coordinator_releases_its_sessions_and_announces
     finally:
         worker.terminate()
         worker.wait(timeout=20)
+
+
+def test_a_request_past_its_deadline_ends_the_session_with_a_structured_error(smollm2_path, reference):
+    long_tokens = (reference[LONG_PROMPT][0] * 5)[:1000]
+    with cluster(smollm2_path, HALVES, prefill_chunk=1024, request_timeout=0.3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(MeshnetError) as err:
+            c.coordinator.generate(long_tokens, 4).result()
+        assert err.value.code == "deadline_exceeded"
+        assert err.value.context["stage"] == "[0,15)" and "[0,15)" in err.value.message
+        assert time.monotonic() - t0 < 1.5
+        # the stages drop the session, and the route still serves
+        assert wait_until(lambda: all(s["n_sessions"] == 0 for s in c.coordinator.stage_stats()))
+        assert len(c.coordinator.generate(reference[PROMPTS[0]][0], 4).result().tokens) == 4
