@@ -83,7 +83,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             samples["workers"] = Samples(f"{n_stages} worker processes")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
         prompt_tokens = [tokenizer.tokenize(p) if tokenizer else cluster.coordinator.tokenize(p) for p in PROMPTS]
-        for label, run in runners.items():  # warm-up: first-touch allocations and caches
+        for run in runners.values():  # warm-up: first-touch allocations and caches
             run(prompt_tokens[0][:16])
         for _ in range(repeats):
             for tokens in prompt_tokens:

@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field

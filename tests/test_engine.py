@@ -90,7 +90,7 @@ def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path
         sessions = {1: pipe.head.tokenize(prompts[0]), 2: pipe.head.tokenize(prompts[1])}
         got = {1: [], 2: []}
         pos = {}
-        for sid, toks in sessions.items():
+        for sid in sessions:
             pipe.open_session(sid)
         for sid, toks in sessions.items():
             token, _ = _step(pipe, sid, 0, toks)
