@@ -516,8 +516,9 @@ class Coordinator:
 
     def _forward(self, session: Session, stage: int, pos: int, n: int, tokens=None, payload=None) -> None:
         worker = session.route[stage]
-        if payload is not None:
+        if payload is not None:  # a residual crossing the seam into this stage
             worker.seam_bytes += len(payload)
+            session.seam_bytes += len(payload)
         last = stage == len(session.route) - 1
         self._request(worker, P.FORWARD,
                       Pending("forward", session.sid, worker.identity, stage, 0, now() + self.request_timeout, pos=pos, n=n),
@@ -540,7 +541,6 @@ class Coordinator:
                 self._fail(session, MeshnetError("bad_payload", f"stage {session.label(stage)} returned no residual",
                                                  session=session.sid), cancel=True)
                 return
-            session.seam_bytes += len(msg.payload)
             self._forward(session, stage + 1, pending.pos, pending.n, payload=msg.payload)
             if stage == 0 and session.prompt_sent < len(session.prompt) and pending.pos + pending.n == session.prompt_sent:
                 self._send_prompt_chunk(session)
