@@ -92,7 +92,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         in_process_rss = rss_bytes()
         for label in ("whole", "stages"):
             if label in samples:
-                samples[label].rss_bytes = [in_process_rss]  # both share this process: an upper bound
+                samples[label].rss_bytes = [in_process_rss]  # this process holds both: shown with a mark
         if "workers" in samples:
             samples["workers"].rss_bytes = [s.get("rss_bytes", 0) for s in cluster.coordinator.metrics()["stages"]]
     finally:
@@ -124,13 +124,16 @@ def format_report(report: dict) -> str:
              "median [min-max]",
              f"{'configuration':<24} {'prefill tok/s':>22} {'decode tok/s':>22} {'ratio':>6} {'TTFT ms':>20} "
              f"{'hop p50 us':>18} {'hop p99 us':>18} {'seam B/tok':>10} {'RSS MiB':>14}"]
-    for entry in report["configs"].values():
+    shared = [label for label in ("whole", "stages") if label in report["configs"]]
+    for label, entry in report["configs"].items():
         ratio = entry.get("decode_tok_s_ratio")
         ratio = "-" if ratio is None else f"{ratio:.2f}"
-        rss = "/".join(f"{r / (1 << 20):.0f}" for r in entry["rss_bytes"])
+        rss = "/".join(f"{r / (1 << 20):.0f}" for r in entry["rss_bytes"]) + ("*" if label in shared else "")
         seam = entry["seam_bytes_per_token"]["median"] if entry["seam_bytes_per_token"] else 0
         lines.append(f"{entry['label']:<24} {cell(entry['prefill_tok_s']):>22} {cell(entry['decode_tok_s']):>22} "
                      f"{ratio:>6} {cell(entry['ttft_ms']):>20} "
                      f"{cell(entry['hop_us_p50'], '{:.0f}'):>18} {cell(entry['hop_us_p99'], '{:.0f}'):>18} "
                      f"{seam:>10.0f} {rss:>14}")
+    if shared:
+        lines.append("* one process runs every in-process configuration: its RSS covers all of them together")
     return "\n".join(lines)
