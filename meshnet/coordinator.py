@@ -32,7 +32,7 @@ import zmq
 from . import protocol as P
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
-from .metrics import percentiles
+from .metrics import generation_metrics, percentiles
 from .tracker import StageOffer, build_route, offer_from_capability
 
 PREFILL_CHUNK = 64             # prompt tokens per forward request
@@ -88,15 +88,19 @@ class Session:
     stop_at_eog: bool
     chunk: int
     events: queue.Queue
-    opens_waiting: int = 0
     prompt_sent: int = 0          # prompt tokens handed to the head so far
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
     t_start: float = 0.0
     t_first: float | None = None
     hops_us: list[float] = field(default_factory=list)
-    compute_us: list[list[int]] = field(default_factory=list)   # per stage
+    compute_us: list[list[int]] = field(init=False)   # per stage
+    opens_waiting: int = field(init=False)             # stages yet to confirm the session is open
     seam_bytes: int = 0
+
+    def __post_init__(self):
+        self.opens_waiting = len(self.route)
+        self.compute_us = [[] for _ in self.route]
 
     def label(self, stage: int) -> str:
         return self.route[stage].offer.label
@@ -508,8 +512,6 @@ class Coordinator:
         session = Session(sid, route, prompt, max_tokens, want_logits, stop_at_eog,
                           min(chunk, *(w.capability["n_batch"] for w in route)), events, t_start=time.perf_counter())
         self.sessions[sid] = session
-        session.compute_us = [[] for _ in route]
-        session.opens_waiting = len(route)
         for i, worker in enumerate(route):
             worker.sessions.add(sid)
             self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout), sid=sid)
@@ -569,19 +571,13 @@ class Coordinator:
 
     def _metrics(self, session: Session) -> dict:
         t_end = time.perf_counter()
-        t_first = session.t_first or t_end
-        n_decode = len(session.tokens) - 1
-        hops = np.array(session.hops_us) if session.hops_us else np.zeros(1)
+        hops = percentiles(session.hops_us or [0.0])
         return {
-            "stages": [list((w.offer.start, w.offer.end)) for w in session.route],
-            "prompt_tokens": len(session.prompt),
-            "generated_tokens": len(session.tokens),
-            "ttft_ms": (t_first - session.t_start) * 1e3,
-            "prefill_tok_s": len(session.prompt) / max(t_first - session.t_start, 1e-9),
-            "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
-            "seam_bytes": session.seam_bytes,
-            "hop_us_p50": float(np.percentile(hops, 50)),
-            "hop_us_p99": float(np.percentile(hops, 99)),
+            **generation_metrics([(w.offer.start, w.offer.end) for w in session.route], len(session.prompt),
+                                 len(session.tokens), session.t_start, session.t_first or t_end, t_end,
+                                 session.seam_bytes),
+            "hop_us_p50": hops["p50"],
+            "hop_us_p99": hops["p99"],
             "stage_compute_us_p50": [float(np.median(c)) if c else None for c in session.compute_us],
         }
 

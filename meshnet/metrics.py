@@ -23,6 +23,22 @@ def rss_bytes(pid: int | str = "self") -> int:
         return 0
 
 
+def generation_metrics(ranges, n_prompt: int, n_generated: int, t_start: float, t_first: float, t_end: float,
+                       seam_bytes: int) -> dict:
+    """One session's numbers, the same for the in-process pipeline and the coordinator:
+    the first token comes from the prefill, every later one from a decode step."""
+    n_decode = n_generated - 1
+    return {
+        "stages": [list(r) for r in ranges],
+        "prompt_tokens": n_prompt,
+        "generated_tokens": n_generated,
+        "ttft_ms": (t_first - t_start) * 1e3,
+        "prefill_tok_s": n_prompt / max(t_first - t_start, 1e-9),
+        "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
+        "seam_bytes": seam_bytes,
+    }
+
+
 def percentiles(values: Iterable[float], points=(50, 99)) -> dict:
     data = np.fromiter(values, dtype=np.float64)
     if data.size == 0:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .engine import Entry, Stage
 from .errors import MeshnetError
+from .metrics import generation_metrics
 
 
 def even_ranges(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -143,14 +144,6 @@ class LocalPipeline:
         finally:
             self.release_session(session_id)
 
-        n_decode = len(gen.tokens) - 1  # the first token comes from the prefill
-        gen.metrics = {
-            "stages": [list(r) for r in self.ranges],
-            "prompt_tokens": len(prompt_tokens),
-            "generated_tokens": len(gen.tokens),
-            "ttft_ms": (t_first - t0) * 1e3,
-            "prefill_tok_s": len(prompt_tokens) / (t_first - t0),
-            "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
-            "seam_bytes": self.seam_bytes - seam_bytes_before,
-        }
+        gen.metrics = generation_metrics(self.ranges, len(prompt_tokens), len(gen.tokens), t0, t_first, t_end,
+                                         self.seam_bytes - seam_bytes_before)
         return gen
