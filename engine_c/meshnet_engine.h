@@ -45,7 +45,8 @@ typedef enum {
     MESHNET_ERR_ABORTED           = 11, /* meshnet_stage_abort stopped the forward pass */
     MESHNET_ERR_DECODE            = 12, /* llama.cpp failed to compute the batch */
     MESHNET_ERR_BUFFER_TOO_SMALL  = 13,
-    MESHNET_ERR_INTERNAL          = 14
+    MESHNET_ERR_INTERNAL          = 14,
+    MESHNET_ERR_BAD_VALUE         = 15  /* a residual or logit that is not finite, or too large to be real */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -273,6 +274,20 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     return MESHNET_OK;
 }
 
+// Residual values beyond this are not a real model's activations, and RMS norm's sum of
+// squares over a row (n_embd x value^2, n_embd < 2^17) would overflow f32 past it.
+constexpr float MAX_RESIDUAL_ABS = 1e15f;
+
+// index of the first value that is not finite or beyond `limit`, or -1
+int64_t first_bad_value(const float * values, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (!std::isfinite(values[i]) || std::fabs(values[i]) > limit) {
+            return i;
+        }
+    }
+    return -1;
+}
+
 meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32_t index) {
     const meshnet_stage_info & info = stage->info;
     session_slot * slot = stage->find(e.session_id);
@@ -311,6 +326,13 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
         if (e.embd_width != info.n_embd) {
             return stage->fail(MESHNET_ERR_BAD_WIDTH,
                     format("entry %d: residual rows are %d wide, this model's n_embd is %d", index, e.embd_width, info.n_embd));
+        }
+        const int64_t bad = first_bad_value(e.embd, (int64_t) e.n_tokens * info.n_embd, MAX_RESIDUAL_ABS);
+        if (bad >= 0) {
+            return stage->fail(MESHNET_ERR_BAD_VALUE,
+                    format("entry %d: residual row %lld, column %lld holds %g, which is not a finite value within +-%g",
+                           index, (long long) (bad / info.n_embd), (long long) (bad % info.n_embd), (double) e.embd[bad],
+                           (double) MAX_RESIDUAL_ABS));
         }
     }
     return MESHNET_OK;
@@ -368,12 +390,16 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
 
     stage->abort_requested.store(false);
     const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
-    if (rc != 0) {
-        // a failed or aborted batch may have left some rows in the KV cache: drop them
+    // a failed, aborted or refused batch may have left some rows in the KV cache: drop them,
+    // so that each session can go on from where it was
+    auto roll_back = [&]() {
         llama_memory_t mem = llama_get_memory(stage->ctx);
         for (int32_t i = 0; i < n_entries; ++i) {
             llama_memory_seq_rm(mem, stage->seq_of(stage->find(entries[i].session_id)), entries[i].pos, -1);
         }
+    };
+    if (rc != 0) {
+        roll_back();
         if (rc == 2) {
             return stage->fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
         }
@@ -388,7 +414,15 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
         for (int32_t i = 0; i < n_entries; ++i) {
             const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
             if (!logits) {
+                roll_back();
                 return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
+            }
+            const int64_t bad = first_bad_value(logits, info.n_vocab, INFINITY);
+            if (bad >= 0) {
+                roll_back();
+                return stage->fail(MESHNET_ERR_BAD_VALUE,
+                        format("entry %d: the stage computed a non-finite logit (%g for token %lld); nothing was kept",
+                               i, (double) logits[bad], (long long) bad));
             }
             int32_t best = 0;
             for (int32_t v = 1; v < info.n_vocab; ++v) {
@@ -405,7 +439,15 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
         for (int64_t r = 0; r < n_rows; ++r) {
             const float * row = llama_get_embeddings_ith(stage->ctx, (int32_t) r);
             if (!row) {
+                roll_back();
                 return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
+            }
+            const int64_t bad = first_bad_value(row, info.n_embd, MAX_RESIDUAL_ABS);
+            if (bad >= 0) {
+                roll_back();
+                return stage->fail(MESHNET_ERR_BAD_VALUE,
+                        format("residual row %lld came out as %g in column %lld, not a finite value within +-%g; "
+                               "nothing was kept", (long long) r, (double) row[bad], (long long) bad, (double) MAX_RESIDUAL_ABS));
             }
             std::memcpy(out->residual + (size_t) r * info.n_embd, row, sizeof(float) * info.n_embd);
         }
