@@ -1,9 +1,20 @@
 # meshnet: `make` builds the engine over the pinned llama.cpp and installs meshnet with
-# its default model; `make test` runs the test suite on the real models.
+# its default model into a virtual environment; `make test` runs the test suite on the
+# real models; `make run` runs `meshnet run` (ARGS='--stages 3' passes options).
 
 PYTHON ?= python3
-PIP    ?= $(PYTHON) -m pip
 JOBS   ?= $(shell nproc)
+
+# Everything is installed into the active virtual environment, or else into the project's
+# own .venv made with $(PYTHON): a Debian/Ubuntu system Python refuses `pip install`
+# (PEP 668, externally-managed-environment).
+ifdef VIRTUAL_ENV
+VENV := $(VIRTUAL_ENV)
+else
+VENV := .venv
+endif
+VENV_PYTHON := $(VENV)/bin/python
+PIP         := $(VENV_PYTHON) -m pip
 
 # The pin: the llama.cpp tree vendored in this sdist (ggml-org/llama.cpp@0c1e57098).
 SDIST_VERSION := 0.3.36
@@ -19,13 +30,18 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine python model test check-patches clean distclean
+.PHONY: all engine python model test run check-patches clean distclean
 
 all: engine python model
 
-$(SDIST):
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+# the venv's pip even for the download: a stock Debian python3 has no pip of its own;
+# only the sdist itself is taken from source (its build tools come as wheels, in seconds)
+$(SDIST): | $(VENV_PYTHON)
 	mkdir -p $(BUILD)/dl
-	$(PIP) download --quiet --no-binary :all: --no-deps -d $(BUILD)/dl llama-cpp-python==$(SDIST_VERSION)
+	$(PIP) download --quiet --no-binary llama-cpp-python --no-deps -d $(BUILD)/dl llama-cpp-python==$(SDIST_VERSION)
 	echo "$(SDIST_SHA256)  $@" | sha256sum -c --quiet || { rm -f $@; echo "error: sdist sha256 mismatch" >&2; exit 1; }
 
 $(PRISTINE)/.stamp: $(SDIST)
@@ -53,21 +69,26 @@ $(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt
 engine: $(CMAKE_DIR)/.configured
 	cmake --build $(CMAKE_DIR) --target meshnet_engine -j $(JOBS)
 
-$(BUILD)/.python-installed: setup.py
+# the stamp lives in the venv, so a new or deleted venv gets meshnet installed again
+$(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)
 	$(PIP) install --quiet -e '.[test]'
 	touch $@
 
-python: $(BUILD)/.python-installed
+python: $(VENV)/.meshnet-installed
 
 model: python
-	$(PYTHON) -m meshnet.models ensure smollm2
+	$(VENV_PYTHON) -m meshnet.models ensure smollm2
 
 test: all
-	$(PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
-	$(PYTHON) -m pytest -q tests
+	$(VENV_PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
+	$(VENV_PYTHON) -m pytest -q tests
+
+run: all
+	$(VENV)/bin/meshnet run $(ARGS)
 
 clean:
-	rm -rf $(CMAKE_DIR) $(CMAKE_DIR).log $(ENGINE) $(BUILD)/.python-installed
+	rm -rf $(CMAKE_DIR) $(CMAKE_DIR).log $(ENGINE) $(VENV)/.meshnet-installed
 
+# the project's own .venv only: an active virtual environment is the user's
 distclean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) .venv
