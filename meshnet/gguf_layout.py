@@ -3,6 +3,10 @@ types and bytes per layer. The route planner sizes stages from these numbers."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,11 +51,79 @@ def _field(reader: gguf.GGUFReader, key: str):
     return None if f is None else f.contents()
 
 
-def read_layout(path: str | Path) -> ModelLayout:
+class _Truncated(Exception):
+    def __init__(self, needed: int, present: int):
+        super().__init__(needed, present)
+        self.needed = needed
+        self.present = present
+
+
+def _tensor_end(info: gguf.gguf_reader.ReaderField) -> int:
+    """Where a tensor's data ends, relative to the start of the tensor data, from its
+    tensor info alone, sized the way GGUFReader sizes it."""
+    _name_len, _name, _n_dims, dims, raw_dtype, offset = info.parts
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+    return int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block_size
+
+
+class _CheckedReader(gguf.GGUFReader):
+    # GGUFReader views each tensor's bytes with numpy, so a file cut short fails there with
+    # a reshape error that says nothing about the file. Sizing the tensor data from the
+    # tensor infos first turns that into the two numbers a person can check.
+    def _build_tensors(self, start_offs, fields):
+        try:
+            needed = max((_tensor_end(info) for info in fields), default=0)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            needed = None  # another gguf version's internals: read on, with its own error
+        present = len(self.data) - start_offs
+        if needed is not None and needed > present:
+            raise _Truncated(needed, present)
+        super()._build_tensors(start_offs, fields)
+
+
+def _has_gguf_magic(path: str | Path) -> bool:
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises plain ValueError/struct errors on bad files
-        raise MeshnetError("not_gguf", f"'{path}' is not a readable GGUF file: {e}") from e
+        with open(path, "rb") as f:
+            return f.read(4) == gguf.GGUF_MAGIC.to_bytes(4, "little")
+    except OSError:
+        return False
+
+
+def read_layout(path: str | Path) -> ModelLayout:
+    """The layout of the GGUF at PATH. Read once per process while the file's size, mtime
+    and ctime hold: the gguf package takes seconds over a large vocabulary, and resolving a
+    model reads it to check it is GGUF just before its caller wants the layout."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _read_layout(str(path))  # says why, in the same words as any unreadable file
+    return copy.deepcopy(_read_layout_once(str(path), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_layout_once(path: str, identity: tuple[int, int, int]) -> ModelLayout:
+    return _read_layout(path)
+
+
+def _read_layout(path: str) -> ModelLayout:
+    try:
+        reader = _CheckedReader(path)
+    except _Truncated as t:
+        raise MeshnetError(
+            "truncated_gguf",
+            f"'{path}' is truncated: its header says {t.needed} bytes of tensor data, the file has "
+            f"{max(t.present, 0)}; copy or download it again",
+        ) from None
+    except OSError as e:
+        raise MeshnetError("not_gguf", f"'{path}' is not a readable GGUF file: {e.strerror or e}") from e
+    except Exception as e:  # the gguf package raises plain ValueError/numpy errors on bad files
+        if not _has_gguf_magic(path):
+            raise MeshnetError("not_gguf", f"'{path}' is not a GGUF file: it does not start with 'GGUF'") from e
+        raise MeshnetError(
+            "not_gguf",
+            f"'{path}' starts like a GGUF file but its header cannot be read ({e}): it is "
+            "truncated or corrupt; copy or download it again",
+        ) from e
     arch = _field(reader, "general.architecture")
     n_layer = _field(reader, f"{arch}.block_count")
     if not arch or n_layer is None:

