@@ -55,9 +55,12 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
     from .gguf_layout import read_layout
     from .pipeline import even_ranges, ranges_from_seams
 
+    from .engine import utf8_or_error
+
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
     try:
+        utf8_or_error(prompt, "--prompt")  # at once, before any model or worker starts
         path, sha256 = models.resolve(model)
         layout = read_layout(path)
         ranges = (
@@ -180,9 +183,16 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
     import time
 
     from .coordinator import Coordinator
+    from .engine import utf8_or_error
     from .metrics import MetricsServer
 
-    with Coordinator(bind) as coord:
+    try:
+        if prompt is not None:
+            utf8_or_error(prompt, "--prompt")
+        coord = Coordinator(bind)
+    except MeshnetError as e:
+        _fail(e)
+    with coord:
         click.echo(f"coordinator listening on {coord.endpoint}", err=True)
         if metrics_port is not None:
             server = MetricsServer(coord.metrics, metrics_port)
@@ -226,15 +236,23 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
 @click.option("--json", "as_json", is_flag=True)
 def status(url, watch, as_json):
     """Show a running coordinator's stages: memory, KV, queue, hops, failures."""
+    import socket
     import time
     import urllib.error
     import urllib.request
 
+    timeout = 10
     while True:
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=10) as response:
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
                 snapshot = json.loads(response.read())
-        except (urllib.error.URLError, OSError) as e:
+        except (TimeoutError, socket.timeout) as e:
+            _fail(MeshnetError("timeout", f"the coordinator at {url} did not answer within {timeout} s ({e})"))
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                _fail(MeshnetError("timeout", f"the coordinator at {url} did not answer within {timeout} s"))
+            _fail(MeshnetError("unreachable", f"no coordinator metrics at {url}: {e.reason}"))
+        except (OSError, ValueError) as e:
             _fail(MeshnetError("unreachable", f"no coordinator metrics at {url}: {e}"))
         if as_json:
             click.echo(json.dumps(snapshot))
@@ -253,6 +271,8 @@ def _status_table(snapshot: dict) -> str:
         def num(key, scale=1, fmt="{:.1f}"):
             return fmt.format(s[key] / scale) if s.get(key) is not None else "-"
         failures = ", ".join(f"{k}={v}" for k, v in {**s.get("errors", {}), **s.get("reply_errors", {})}.items()) or "0"
+        if s.get("unreachable"):  # what the coordinator knows of a worker that did not answer
+            failures = f"SILENT (last heard {s.get('last_heard_s', 0):.1f} s ago: {s['unreachable']}); {failures}"
         rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "
                     f"{num('kv_bytes_used', mib):>11} {num('n_sessions', fmt='{:.0f}'):>8} {num('queue_depth', fmt='{:.0f}'):>5} "
                     f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}")

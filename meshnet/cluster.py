@@ -1,20 +1,29 @@
 """Stage workers as child processes of this one, with a coordinator in this process:
 what `meshnet run`, the tests and the benchmarks use to build a route on one machine.
 Children die with their parent (PR_SET_PDEATHSIG), so nothing outlives a crash or Ctrl-C.
+While the route forms, the children are watched: one that exits, or is stopped, is
+reported at once with its exit status and the last lines it wrote to stderr, instead of
+a wait for a route that cannot form.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
 from .coordinator import Coordinator
+from .errors import MeshnetError
 
 PR_SET_PDEATHSIG = 1
+STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
+STDERR_TAIL_LINES = 12
 
 
 def _die_with_parent() -> None:
@@ -22,6 +31,46 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: the finally-blocks of LocalCluster still stop the children
+
+
+class StderrTail(threading.Thread):
+    """Passes a child's stderr through to ours, keeping its last lines for an error report."""
+
+    def __init__(self, stream, echo: bool):
+        super().__init__(name="meshnet-worker-stderr", daemon=True)
+        self.stream, self.echo = stream, echo
+        self.lines: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.start()
+
+    def run(self) -> None:
+        for raw in iter(self.stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.lines.append(line.rstrip("\n"))
+            if self.echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def text(self) -> str:
+        self.join(timeout=1)  # an exited child's last words may still be in the pipe
+        return "\n".join(self.lines)
+
+
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (T: stopped), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 class LocalCluster:
@@ -50,6 +99,7 @@ class LocalCluster:
         self.worker_log = worker_log
         self.coordinator = Coordinator(**coordinator_options)
         self.processes: dict[tuple[int, int], subprocess.Popen] = {}
+        self.stderr_tails: dict[tuple[int, int], StderrTail] = {}
 
     def spawn_worker(self, layers: tuple[int, int]) -> subprocess.Popen:
         args = [sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", self.coordinator.endpoint,
@@ -58,20 +108,56 @@ class LocalCluster:
             if value is not None:
                 args += [f"--{name}", str(value)]
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log if self.worker_log else None,
-                                   preexec_fn=_die_with_parent)
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_die_with_parent)
         self.processes[layers] = process
+        if not self.worker_log:
+            self.stderr_tails[layers] = StderrTail(process.stderr, echo=True)
         return process
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
         try:
             for layers in self.ranges:
                 self.spawn_worker(layers)
-            self.coordinator.wait_for_route(timeout, n_stages=len(self.ranges))
+            deadline = time.monotonic() + timeout
+            stopped_since: dict[tuple[int, int], float] = {}
+            while True:
+                self._check_children(stopped_since)
+                try:
+                    self.coordinator.wait_for_route(0.2, n_stages=len(self.ranges))
+                    return self
+                except MeshnetError:
+                    if time.monotonic() > deadline:
+                        raise
         except BaseException:
             self.close()
             raise
-        return self
+
+    def _check_children(self, stopped_since: dict) -> None:
+        """Raise at once for a child that can no longer join the route."""
+        for layers, process in self.processes.items():
+            label = f"[{layers[0]},{layers[1]})"
+            if process.poll() is not None:
+                raise MeshnetError("worker_exited", f"the worker for layers {label} {_describe_exit(process.returncode)} "
+                                   f"before the route formed{self._tail_of(layers)}", stage=label,
+                                   exit_status=process.returncode)
+            if _process_state(process.pid) == "T":
+                since = stopped_since.setdefault(layers, time.monotonic())
+                if time.monotonic() - since > STOPPED_GRACE:
+                    raise MeshnetError("worker_exited", f"the worker for layers {label} (pid {process.pid}) has been "
+                                       f"stopped for {STOPPED_GRACE:g} s before the route formed (SIGSTOP?)",
+                                       stage=label)
+            else:
+                stopped_since.pop(layers, None)
+
+    def _tail_of(self, layers: tuple[int, int]) -> str:
+        if layers in self.stderr_tails:
+            text = self.stderr_tails[layers].text()
+        elif self.worker_log:
+            text = "\n".join(Path(self.worker_log).read_text(errors="replace").splitlines()[-STDERR_TAIL_LINES:])
+        else:
+            text = ""
+        return f"; its last words:\n{text}" if text.strip() else "; it wrote nothing to stderr"
 
     def close(self) -> None:
         for process in self.processes.values():

@@ -16,7 +16,9 @@ its KV is released on the other stages, and the coordinator keeps serving.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
+import logging
 import os
 import queue
 import secrets
@@ -30,15 +32,19 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from .engine import utf8_or_error
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
 from .metrics import generation_metrics, percentiles
 from .tracker import StageOffer, build_route, offer_from_capability
 
+log = logging.getLogger("meshnet.coordinator")
+
 PREFILL_CHUNK = 64             # prompt tokens per forward request
 REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
 SOCKET_HWM = 10_000            # ZeroMQ high-water mark, messages
-MAX_PAYLOAD = 64 << 20         # largest frame accepted from a worker: a prefill chunk of a big model fits
+MAX_PAYLOAD = 32 << 20         # largest payload accepted from a worker: 512 rows of an 16k-wide model fit
+MAX_FRAMES = 3                 # a peer's identity, a header and at most one payload
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
 CLOCK_PERIOD = 0.01            # seconds between checks of heartbeats, liveness and deadlines
 
@@ -120,8 +126,14 @@ class SessionHandle:
         self._done = False
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        return self._events_until(None)
+
+    def _events_until(self, deadline: float | None) -> Iterator[TokenEvent]:
         while not self._done:
-            kind, value = self._events.get()
+            try:
+                kind, value = self._events.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise MeshnetError("timeout", f"session {self.sid} gave no result in time", session=self.sid) from None
             if kind == "token":
                 self.tokens.append(value.token)
                 self.text += value.piece
@@ -135,8 +147,9 @@ class SessionHandle:
                 self._done = True
                 raise value
 
-    def result(self) -> "SessionHandle":
-        for _ in self:
+    def result(self, timeout: float | None = None) -> "SessionHandle":
+        """Wait for the whole generation; MeshnetError(timeout) if it takes over `timeout` s."""
+        for _ in self._events_until(None if timeout is None else time.monotonic() + timeout):
             pass
         return self
 
@@ -167,8 +180,21 @@ class Coordinator:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         self.router.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        # zmq drops a peer whose frame is past this before allocating it (between this and
+        # max_payload the peer gets an `oversized` error); a message's frame count and
+        # total size are bounded where it is read (protocol.recv_frames)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * max_payload)
-        self.router.bind(bind)
+        self.max_message_bytes = max_payload + 2 * P.MAX_HEADER_BYTES
+        try:
+            self.router.bind(bind)
+        except zmq.ZMQError as e:
+            self.router.close(linger=0)
+            self.ctx.term()
+            if e.errno == errno.EADDRINUSE:
+                raise MeshnetError("address_in_use", f"cannot listen on {bind}: the address is already in use "
+                                   "(another coordinator?); choose another port with --bind") from None
+            raise MeshnetError("bad_address", f"cannot listen on {bind!r}: {e.strerror}; an address looks like "
+                               "tcp://127.0.0.1:5555") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
 
         self.workers: dict[bytes, WorkerRecord] = {}
@@ -250,6 +276,7 @@ class Coordinator:
         self._submit(lambda f: self._cancel_session(sid))
 
     def tokenize(self, text: str, timeout: float = 30.0) -> list[int]:
+        utf8_or_error(text, "the text")
         return self._query_stage(0, P.TOKENIZE, {"text": text}).result(timeout)["tokens"]
 
     def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
@@ -263,23 +290,30 @@ class Coordinator:
         futures = self._submit(ask).result(timeout)
         return [dict(fut.result(timeout)) for fut in futures]
 
-    def metrics(self, timeout: float = 10.0) -> dict:
+    def metrics(self, timeout: float = 2.0) -> dict:
         """Every stage's numbers (the worker's own, from HEALTH, and the hops measured
-        here) and the coordinator's counters: what `meshnet status` and /metrics show."""
+        here) and the coordinator's counters: what `meshnet status` and /metrics show.
+        Answers within `timeout` from what is known: a worker that does not answer its
+        HEALTH in time is shown as silent, with how long since it was last heard."""
+        deadline = time.monotonic() + timeout
+
         def ask(f):
             workers = sorted(self.workers.values(), key=lambda w: w.offer.start)
             mine = [{
                 "stage": w.offer.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
-                "reply_errors": dict(w.errors), **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
+                "reply_errors": dict(w.errors), "last_heard_s": round(w.liveness.silent_for(), 3),
+                **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
             } for w in workers]
             f.set_result((mine, [self._query(w, P.HEALTH, {}) for w in workers], dict(self.counters)))
         mine, futures, counters = self._submit(ask).result(timeout)
         stages = []
         for here, future in zip(mine, futures):
             try:
-                theirs = future.result(timeout)
+                theirs = future.result(max(0.0, deadline - time.monotonic()))
             except MeshnetError as e:
                 theirs = {"unreachable": e.message}
+            except TimeoutError:
+                theirs = {"silent": True, "unreachable": f"no answer to health within {timeout:g} s"}
             stages.append({**theirs, **here, "requests": sum(theirs.get("requests", {}).values())})
         sessions = {k.removeprefix("failed_"): v for k, v in counters.items() if k.startswith("failed_")}
         sessions["completed"] = counters.get("sessions_completed", 0)
@@ -303,7 +337,9 @@ class Coordinator:
                 return
             inner = self._query(route[index], msg_type, fields)
             inner.add_done_callback(lambda i: outer.set_exception(i.exception()) if i.exception() else outer.set_result(i.result()))
-        self._submit(ask)
+        submitted = self._submit(ask)
+        # a failure inside ask itself must reach the caller, not leave it waiting
+        submitted.add_done_callback(lambda f: f.exception() and not outer.done() and outer.set_exception(f.exception()))
         return outer
 
     # ---- the I/O thread ---------------------------------------------------------------
@@ -316,24 +352,53 @@ class Coordinator:
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
         clocks_at = 0.0
         while self._running:
-            events = dict(poller.poll(tick_ms))
-            if self.router in events:
-                for _ in range(RECV_BATCH):
-                    frames = self.router.recv_multipart()  # poll said a whole message is there
-                    self._on_message(frames[0], frames[1:])
-                    if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break
-            if self._wake_r in events:
-                self._run_commands()
-            # heartbeats, liveness and deadlines work at heartbeat scale, not per message
-            if now() >= clocks_at:
-                clocks_at = now() + CLOCK_PERIOD
-                if pacer.due():
-                    for w in list(self.workers.values()):
-                        self._send(w.identity, P.encode(P.HEARTBEAT, 0))
-                for w in [w for w in self.workers.values() if w.liveness.dead()]:
-                    self._lose_worker(w, "stopped answering heartbeats")
-                self._expire_requests()
+            try:
+                events = dict(poller.poll(tick_ms))
+                if self.router in events:
+                    for _ in range(RECV_BATCH):
+                        self._receive()
+                        if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            break
+                if self._wake_r in events:
+                    self._run_commands()
+                # heartbeats, liveness and deadlines work at heartbeat scale, not per message
+                if now() >= clocks_at:
+                    clocks_at = now() + CLOCK_PERIOD
+                    if pacer.due():
+                        for w in list(self.workers.values()):
+                            self._send(w.identity, P.encode(P.HEARTBEAT, 0))
+                    for w in [w for w in self.workers.values() if w.liveness.dead()]:
+                        self._guarded("losing a silent worker", self._lose_worker, w, "stopped answering heartbeats")
+                    self._expire_requests()
+            except Exception:  # the last line of defence: a bug must not stop every session
+                self.counters["internal_errors"] += 1
+                log.exception("coordinator: unexpected error in the I/O loop; it goes on")
+
+    def _guarded(self, what: str, fn, *args, session: "Session | None" = None) -> None:
+        """Run one piece of the loop's work; an exception in it is logged with its
+        traceback and fails only the session it belongs to (if any), never the loop."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self.counters["internal_errors"] += 1
+            log.exception("coordinator: %s failed", what)
+            if session is not None and not session.finished:
+                try:
+                    self._fail(session, MeshnetError("internal", f"{what} failed: {type(e).__name__}: {e}",
+                                                     session=session.sid), cancel=True)
+                except Exception:
+                    log.exception("coordinator: failing session %s after an error failed too", session.sid)
+
+    def _receive(self) -> None:
+        frames, why = P.recv_frames(self.router, MAX_FRAMES, self.max_message_bytes)
+        if why is not None:
+            self.counters["bad_messages"] += 1
+            if frames:
+                self._send(frames[0].bytes, P.error_frames(None, P.E_OVERSIZED, why))
+            return
+        if len(frames) < 2:
+            return  # an identity with no message: nothing to answer
+        self._guarded("handling a message", self._on_message, frames[0].bytes, frames[1:])
 
     def _run_commands(self) -> None:
         try:
@@ -364,6 +429,8 @@ class Coordinator:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
             self.counters["bad_messages"] += 1
+            if e.msg_type == P.READY:  # a worker that cannot join: its operator needs to know why
+                log.warning("coordinator: refused a worker (peer %s): %s", identity.hex(), e.message)
             self._send(identity, P.error_frames(e.rid, e.code, e.message, sid=e.sid))
             return
         worker = self.workers.get(identity)
@@ -383,26 +450,29 @@ class Coordinator:
             self._lose_worker(worker, "said goodbye")
             return
         if msg.type in (P.OK, P.RESULT, P.ERROR):
-            pending = self.pending.pop(msg.rid, None)
+            pending = self.pending.get(msg.rid)
             if pending is None or pending.worker != identity:
                 self.counters["late_replies"] += 1  # for a session that already ended
                 return
+            del self.pending[msg.rid]
             worker.replies += 1
             if msg.type == P.ERROR:
                 worker.errors[msg["code"]] += 1
-            self._on_reply(worker, pending, msg)
+            self._guarded(f"the reply to a {pending.kind}", self._on_reply, worker, pending, msg,
+                          session=self.sessions.get(pending.sid) if pending.sid is not None else None)
             return
         self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
 
     def _register(self, identity: bytes, msg: P.Message) -> None:
-        capability = msg["capability"]
-        try:
-            offer = offer_from_capability(identity.hex()[:12], capability)
-            if not (0 <= offer.start < offer.end <= offer.n_layer) or not isinstance(capability.get("n_embd"), int):
-                raise ValueError("layers outside the model")
-        except (KeyError, TypeError, ValueError) as e:
-            self._send(identity, P.error_frames(msg.rid, P.E_BAD_FIELD, f"ready: capability is not usable: {e!r}"))
+        capability = msg["capability"]  # checked field by field in protocol.decode
+        current = self.workers.get(identity)
+        if current is not None and current.capability == capability:
+            current.liveness.heard()  # the same worker saying it again
             return
+        for other in [w for w in self.workers.values() if w.capability["worker_id"] == capability["worker_id"]]:
+            # the worker process connected again: its old connection is dead, whatever it still delivers
+            self._lose_worker(other, "connected again")
+        offer = offer_from_capability(identity.hex()[:12], capability)
         self.workers[identity] = WorkerRecord(identity, offer.worker, capability, offer,
                                               Liveness(self.heartbeat_interval, self.heartbeat_liveness))
         self.counters["registrations"] += 1
@@ -447,16 +517,23 @@ class Coordinator:
     def _expire_requests(self) -> None:
         t = now()
         for rid in [rid for rid, p in self.pending.items() if p.deadline < t]:
-            pending = self.pending.pop(rid)
-            worker = self.workers.get(pending.worker)
-            where = f"stage {worker.offer.label} (worker {worker.name})" if worker else "a worker that has since gone"
-            error = MeshnetError(P.E_DEADLINE, f"no answer from {where} within {self.request_timeout:.0f} s")
-            if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(error)
+            # failing one request ends its session, which drops that session's other requests
+            pending = self.pending.pop(rid, None)
+            if pending is None:
+                continue
             session = self.sessions.get(pending.sid) if pending.sid is not None else None
-            if session is not None and pending.kind in ("open", "forward"):
-                self._fail(session, MeshnetError(P.E_DEADLINE, error.message, stage=session.label(pending.stage),
-                                                 session=session.sid), cancel=True)
+            self._guarded("expiring a request", self._expire, pending, session=session)
+
+    def _expire(self, pending: Pending) -> None:
+        worker = self.workers.get(pending.worker)
+        where = f"stage {worker.offer.label} (worker {worker.name})" if worker else "a worker that has since gone"
+        error = MeshnetError(P.E_DEADLINE, f"no answer from {where} within {self.request_timeout:.0f} s")
+        if pending.future is not None and not pending.future.done():
+            pending.future.set_exception(error)
+        session = self.sessions.get(pending.sid) if pending.sid is not None else None
+        if session is not None and not session.finished and pending.kind in ("open", "forward"):
+            self._fail(session, MeshnetError(P.E_DEADLINE, error.message, stage=session.label(pending.stage),
+                                             session=session.sid), cancel=True)
 
     def _on_reply(self, worker: WorkerRecord, pending: Pending, msg: P.Message) -> None:
         if pending.kind == "query":

@@ -38,6 +38,7 @@ STATUS_CODES = {
     12: "decode_failed",
     13: "buffer_too_small",
     14: "internal",
+    15: "bad_payload",   # a residual or logit that is not finite (or too large to be real)
 }
 
 
@@ -134,6 +135,18 @@ class Output:
     residual: np.ndarray | None = None
     greedy: np.ndarray | None = None
     logits: np.ndarray | None = None
+
+
+def utf8_or_error(text: str, what: str) -> bytes:
+    """The text's UTF-8 bytes; text holding undecodable bytes (a command-line argument in
+    another encoding arrives with them as surrogates) is refused with the offending byte."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        offset = len(text[:e.start].encode(errors="surrogateescape"))
+        byte = text.encode(errors="surrogateescape")[offset]
+        raise MeshnetError("invalid_argument", f"{what} is not valid UTF-8 (byte 0x{byte:02x} at offset {offset}); "
+                           "give it in UTF-8") from None
 
 
 class Stage:
@@ -295,7 +308,7 @@ class Stage:
     # tokens
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode()
+        data = utf8_or_error(text, "the text")
         n = _ffi.new("int32_t *")
         capacity = len(data) + 8
         while True:

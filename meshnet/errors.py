@@ -6,12 +6,13 @@ from __future__ import annotations
 
 # The CLI's exit status says which kind of problem it was, from the same code.
 EXIT_STATUS = {
-    **dict.fromkeys(("not_gguf", "model_not_found", "model_checksum", "unknown_model", "model_load",
+    **dict.fromkeys(("not_gguf", "truncated_gguf", "model_not_found", "model_checksum", "unknown_model", "model_load",
                      "unsupported_arch", "bad_range", "engine_missing", "engine_mismatch"), 3),   # the model or engine
     **dict.fromkeys(("route_incomplete", "stage_lost", "unreachable", "deadline_exceeded", "busy",
-                     "shutting_down"), 4),                                                      # the workers
+                     "shutting_down", "worker_exited", "address_in_use", "timeout"), 4),         # the workers, the network
     **dict.fromkeys(("context_full", "bad_token", "bad_width", "invalid_argument", "too_many_sessions",
-                     "unknown_session", "cancelled"), 5),                                       # the request
+                     "unknown_session", "cancelled", "bad_payload"), 5),                        # the request
+    "bad_address": 2,                                                                            # the command line
 }
 
 

@@ -2,8 +2,10 @@
 
 As in the ZeroMQ Guide's Paranoid Pirate: heartbeats go out on a clock (not only when
 idle), any message from a peer proves it alive, and a peer silent for LIVENESS
-intervals is dead. A worker that loses its coordinator reconnects with exponential
-back-off. With the defaults a dead peer is noticed within 2 s (the bound is 3 s).
+intervals is dead. A worker that loses its coordinator keeps its socket, which libzmq
+reconnects with exponential back-off (RECONNECT_IVL doubling to RECONNECT_IVL_MAX), and
+keeps heartbeating; nothing waits in a sleep. With the defaults a dead peer is noticed
+within 2 s (the bound is 3 s).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import time
 
 HEARTBEAT_INTERVAL = 0.25   # seconds between heartbeats
 HEARTBEAT_LIVENESS = 8      # silent intervals before a peer is declared dead
-INTERVAL_INIT = 0.25        # first reconnect delay, seconds
-INTERVAL_MAX = 8.0          # reconnect delay cap, seconds
+RECONNECT_IVL_MS = 250      # libzmq's first reconnect delay
+RECONNECT_IVL_MAX_MS = 8000 # libzmq's reconnect delay cap (it doubles up to this)
 
 
 def now() -> float:
@@ -50,18 +52,3 @@ class Pacer:
             return False
         self.next_at = t + self.interval
         return True
-
-
-class Backoff:
-    """Reconnect delays: INTERVAL_INIT, doubling to INTERVAL_MAX; reset on success."""
-
-    def __init__(self, initial: float = INTERVAL_INIT, maximum: float = INTERVAL_MAX):
-        self.initial, self.maximum, self.delay = initial, maximum, initial
-
-    def next(self) -> float:
-        delay = self.delay
-        self.delay = min(self.delay * 2, self.maximum)
-        return delay
-
-    def reset(self) -> None:
-        self.delay = self.initial

@@ -58,7 +58,10 @@ E_ROUTE = "route_incomplete"
 
 
 class ProtocolError(MeshnetError):
-    """A message that cannot be used; rid is set when the sender's request id was readable."""
+    """A message that cannot be used; rid is set when the sender's request id was readable,
+    msg_type when its type was."""
+
+    msg_type: str | None = None
 
     def __init__(self, code: str, message: str, rid: int | None = None, sid: int | None = None):
         super().__init__(code, message)
@@ -97,18 +100,30 @@ def _shape(v):
     return len(v) == 2 and all(isinstance(d, int) and 0 < d < 1 << 31 for d in v)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
+
+
 def _tokens(v):
-    return all(isinstance(t, int) and -(1 << 31) <= t < 1 << 31 for t in v)
+    return all(_is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
 
 
 def _range(v):
-    return len(v) == 2 and all(isinstance(d, int) and 0 <= d < 1 << 20 for d in v)
+    return len(v) == 2 and all(_is_int(d) and 0 <= d < 1 << 20 for d in v) and v[0] < v[1]
+
+
+def _sha256(v):
+    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _short_text(v):
+    return 0 < len(v) <= 256
 
 
 INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
 
 SCHEMAS: dict[str, dict[str, tuple]] = {
-    READY: {"capability": (DICT, True, None)},
+    READY: {"capability": (DICT, True, None)},   # its fields: CAPABILITY_FIELDS
     HEARTBEAT: {},
     GOODBYE: {},
     DISCONNECT: {},
@@ -152,6 +167,55 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 }
 
 
+# What a worker offers in READY. The coordinator routes sessions by these numbers, so
+# they are checked as strictly as a header: a missing or mistyped one refuses the worker.
+CAPABILITY_FIELDS: dict[str, tuple] = {
+    "worker_id": (STR, True, _short_text),       # the same for every connection of one worker process
+    "model_sha256": (STR, True, _sha256),
+    "arch": (STR, True, _short_text),
+    "layers": (LIST, True, _range),
+    "n_layer": (INT, True, _positive),
+    "n_embd": (INT, True, _positive),
+    "n_vocab": (INT, True, _positive),
+    "engine_pin": (STR, True, _short_text),
+    "backend": (STR, True, _short_text),
+    "wire_dtype": (STR, True, lambda v: v == "f32"),
+    "max_sessions": (INT, True, _positive),
+    "n_ctx": (INT, True, _positive),
+    "n_batch": (INT, True, _positive),
+    "admitted_bytes": (INT, True, _u64),
+    "pid": (INT, False, _positive),
+}
+
+
+def _checked_fields(schema: dict, values: dict, where: str, rid, sid) -> dict:
+    fields = {}
+    for name, (types, required, check) in schema.items():
+        if name not in values:
+            if required:
+                raise ProtocolError(E_BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
+            continue
+        value = values[name]
+        if isinstance(value, bool) and bool not in types:
+            value = None  # bool is an int subclass: never accept it as one
+        if value is None or not isinstance(value, types) or (check and not check(value)):
+            raise ProtocolError(E_BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
+        fields[name] = value
+    unknown = set(values) - set(schema)
+    if unknown:
+        raise ProtocolError(E_BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
+    return fields
+
+
+def check_capability(capability: dict, rid: int | None = None) -> dict:
+    """A READY's capability, checked field by field and for consistency."""
+    fields = _checked_fields(CAPABILITY_FIELDS, capability, "ready: capability", rid, None)
+    if fields["layers"][1] > fields["n_layer"]:
+        raise ProtocolError(E_BAD_FIELD, f"ready: capability: layers {fields['layers']} are outside a model of "
+                            f"{fields['n_layer']} layers", rid)
+    return fields
+
+
 def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
     """Frames for a message: [header] or [header, payload]."""
     header = {"v": VERSION, "type": msg_type, "rid": rid}
@@ -162,12 +226,21 @@ def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
     return frames
 
 
+def valid_id(value) -> int | None:
+    """A request or session id as the protocol allows it (unsigned 64-bit), else None."""
+    return value if _is_int(value) and _u64(value) else None
+
+
 def error_frames(rid: int | None, code: str, message: str, sid: int | None = None, **context) -> list:
-    return encode(ERROR, rid if rid is not None else 0, code=code, message=message, sid=sid, context=context or None)
+    """An ERROR reply that is always protocol-valid: ids the peer sent that the protocol
+    does not allow are left out rather than echoed."""
+    return encode(ERROR, valid_id(rid) or 0, code=str(code), message=str(message), sid=valid_id(sid),
+                  context=context or None)
 
 
 def decode(frames: list, max_payload: int) -> Message:
-    """Parse and validate one message; raises ProtocolError with a code on any defect."""
+    """Parse and validate one message; raises ProtocolError with a code on any defect.
+    Frames are bytes or zmq frames (anything with the buffer protocol)."""
     if not frames or len(frames) > 2:
         raise ProtocolError(E_MALFORMED, f"a message is 1 or 2 frames, got {len(frames)}")
     raw = frames[0]
@@ -179,9 +252,7 @@ def decode(frames: list, max_payload: int) -> Message:
         raise ProtocolError(E_MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError(E_MALFORMED, "header is not a map")
-    rid = header.get("rid")
-    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and _u64(rid) else None
-    sid = header.get("sid") if isinstance(header.get("sid"), int) else None
+    rid, sid = valid_id(header.get("rid")), valid_id(header.get("sid"))
     if header.get("v") != VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
     if rid is None:
@@ -191,21 +262,14 @@ def decode(frames: list, max_payload: int) -> Message:
     if schema is None:
         raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {msg_type!r}", rid, sid)
 
-    fields = {}
-    for name, (types, required, check) in schema.items():
-        if name not in header:
-            if required:
-                raise ProtocolError(E_BAD_FIELD, f"{msg_type}: field '{name}' is required", rid, sid)
-            continue
-        value = header[name]
-        if isinstance(value, bool) and bool not in types:
-            value = None  # bool is an int subclass: never accept it as one
-        if value is None or not isinstance(value, types) or (check and not check(value)):
-            raise ProtocolError(E_BAD_FIELD, f"{msg_type}: field '{name}' has a bad value {header[name]!r:.80}", rid, sid)
-        fields[name] = value
-    unknown = set(header) - set(schema) - {"v", "type", "rid"}
-    if unknown:
-        raise ProtocolError(E_BAD_FIELD, f"{msg_type}: unknown field(s) {sorted(unknown)}", rid, sid)
+    body = {k: v for k, v in header.items() if k not in ("v", "type", "rid")}
+    try:
+        fields = _checked_fields(schema, body, msg_type, rid, sid)
+        if msg_type == READY:
+            fields["capability"] = check_capability(fields["capability"], rid)
+    except ProtocolError as e:
+        e.msg_type = msg_type
+        raise
 
     payload = None
     if len(frames) == 2:
@@ -213,6 +277,30 @@ def decode(frames: list, max_payload: int) -> Message:
         if len(payload) > max_payload:
             raise ProtocolError(E_OVERSIZED, f"payload of {len(payload)} bytes is over the {max_payload}-byte limit", rid, sid)
     return Message(msg_type, rid, fields, payload)
+
+
+def recv_frames(sock, max_frames: int, max_bytes: int) -> tuple[list | None, str | None]:
+    """One whole message from a socket that poll() said is readable, as (frames, None),
+    or ([first frame], why) when it has more frames or bytes than any valid message. zmq's
+    MAXMSGSIZE bounds each frame, not their number: an over-long message's frames are
+    received one at a time and let go at once, never gathered, and never copied into
+    Python objects (they stay zmq frames; the payload is passed on as a view)."""
+    frames, total, why = [], 0, None
+    while True:
+        frame = sock.recv(copy=False)
+        total += len(frame)
+        if why is None:
+            if len(frames) == max_frames:
+                why = f"a message has at most {max_frames} frames here"
+            elif total > max_bytes:
+                why = f"a message has at most {max_bytes} bytes here"
+            else:
+                frames.append(frame)
+        if not frame.more:
+            break
+    if why is not None:
+        return frames[:1], why  # the first frame alone: a ROUTER's peer identity, to answer
+    return frames, None
 
 
 def f32_payload(array: np.ndarray):

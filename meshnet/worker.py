@@ -24,10 +24,12 @@ import zmq
 from . import protocol as P
 from .engine import Entry, Stage
 from .errors import MeshnetError
-from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Backoff, Liveness, Pacer
+from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Liveness, Pacer
 from .metrics import rss_bytes
 
 MAX_QUEUE = 16            # forward requests waiting for compute before "busy"
+MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
+STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics while forwards run
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 DEFAULT_DEADLINE_MS = 60_000
@@ -75,20 +77,40 @@ class Compute(threading.Thread):
         self.sock.connect(endpoint)
         self.lock = threading.Lock()
         self.running_sid: int | None = None
-        self.cancelled: collections.deque[int] = collections.deque(maxlen=1024)
+        # sessions whose queued forwards must not run: set by a CANCEL, cleared when its
+        # cancel job has run (after them) and on OPEN, so an id is never poisoned
+        self.cancelled: set[int] = set()
         self.open_sids: set[int] = set()
         self.epoch = 0            # the socket loop's current coordinator connection
-        self.queue_depth = 0      # the socket loop's count of forwards waiting, for health
         self.errors: collections.Counter = collections.Counter()   # compute-side failures by code
         self.forwards = 0
         self.compute_us_total = 0
+        self.stats: dict = {}     # the stage's statistics as of the last job, read by the socket loop
+        self._stats_at = 0.0
+        self._refresh_stats()
 
     # called from the socket loop
     def cancel(self, sid: int) -> None:
         with self.lock:
-            self.cancelled.append(sid)
+            self.cancelled.add(sid)
             if self.running_sid == sid:
                 self.stage.abort()
+
+    def _refresh_stats(self) -> None:
+        info = self.stage.info()
+        # one assignment: the socket loop reads whole snapshots, never a half-written one
+        self.stats = {
+            "layers": [info.layer_start, info.layer_end],
+            "n_sessions": info.n_sessions,
+            "kv_bytes": info.kv_bytes,
+            "kv_bytes_used": info.kv_bytes_used,
+            "model_bytes": info.model_bytes,
+            "compute_bytes": info.compute_bytes,
+            "forwards": self.forwards,
+            "compute_us_total": self.compute_us_total,
+            "errors": dict(self.errors),
+        }
+        self._stats_at = time.monotonic()
 
     def _reply(self, job: Job, frames: list) -> None:
         # the loop needs to know which connection asked and whether a forward slot frees up
@@ -106,29 +128,19 @@ class Compute(threading.Thread):
                 self._error(job, e)
             except Exception as e:  # a bug must not kill the worker: report it and go on
                 self._error(job, MeshnetError("internal", f"{type(e).__name__}: {e}"))
+            try:
+                # forwards come every few ms: their KV growth is shown at most STATS_PERIOD late
+                if job.kind != "forward" or time.monotonic() - self._stats_at > STATS_PERIOD:
+                    self._refresh_stats()
+            except MeshnetError:
+                pass
         self.sock.close(linger=0)
-
-    def _do_health(self, job: Job) -> None:
-        info = self.stage.info()
-        stats = dict(job.fields, **{
-            "layers": [info.layer_start, info.layer_end],
-            "n_sessions": info.n_sessions,
-            "kv_bytes": info.kv_bytes,
-            "kv_bytes_used": info.kv_bytes_used,
-            "model_bytes": info.model_bytes,
-            "compute_bytes": info.compute_bytes,
-            "rss_bytes": rss_bytes(),
-            "queue_depth": self.queue_depth,
-            "forwards": self.forwards,
-            "compute_us_total": self.compute_us_total,
-        })
-        for code, n in self.errors.items():
-            stats["errors"][code] = stats["errors"].get(code, 0) + n
-        self._reply(job, P.encode(P.OK, job.rid, info=stats))
 
     def _do_open(self, job: Job) -> None:
         self.stage.open_session(job.sid)
         self.open_sids.add(job.sid)
+        with self.lock:
+            self.cancelled.discard(job.sid)  # a new session under this id starts clean
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
 
     def _do_release(self, job: Job) -> None:
@@ -140,6 +152,8 @@ class Compute(threading.Thread):
         if job.sid in self.open_sids:
             self.stage.release_session(job.sid)
             self.open_sids.discard(job.sid)
+        with self.lock:  # the forwards queued before this job have seen the cancel: forget it
+            self.cancelled.discard(job.sid)
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
 
     def _do_tokenize(self, job: Job) -> None:
@@ -154,6 +168,8 @@ class Compute(threading.Thread):
         for sid in list(self.open_sids):
             self.stage.release_session(sid)
         self.open_sids.clear()
+        with self.lock:
+            self.cancelled.clear()
 
     def _do_forward(self, job: Job) -> None:
         if job.epoch != self.epoch:
@@ -197,6 +213,10 @@ class Compute(threading.Thread):
                                       worker_us=(time.perf_counter_ns() - job.t_recv_ns) // 1000))
 
 
+# which bound each compute job counts against (see StageWorker._queue)
+QUEUE_OF = {"forward": "forward", "tokenize": "text", "detokenize": "text"}
+
+
 class StageWorker:
     def __init__(self, config: WorkerConfig):
         self.config = config
@@ -219,6 +239,9 @@ class StageWorker:
             "n_batch": info.n_batch,
             "admitted_bytes": info.model_bytes + info.kv_bytes + info.compute_bytes,
             "pid": os.getpid(),
+            # one id for every connection this process makes: a coordinator that gets a
+            # READY from a new connection drops the old one, whatever it still delivers
+            "worker_id": uuid.uuid4().hex,
         }
         self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
         self.ctx = zmq.Context()
@@ -228,7 +251,10 @@ class StageWorker:
         self.compute = Compute(self.stage, self.ctx, endpoint)
         self.dealer: zmq.Socket | None = None
         self.epoch = 0
-        self.pending_forwards = 0
+        # requests waiting for the compute thread, by kind, each with its own bound
+        self.queued: collections.Counter = collections.Counter()
+        self.queue_limits = {"forward": config.max_queue, "text": MAX_TEXT_JOBS,
+                             "control": 4 * config.max_sessions + 16}
         self.recent_rids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.stopping = False
         self.requests: collections.Counter = collections.Counter()   # by message type
@@ -248,21 +274,39 @@ class StageWorker:
     # connection
 
     def _connect(self) -> None:
-        if self.dealer is not None:
-            self.dealer.close(linger=0)
-        self.epoch += 1
-        self.compute.epoch = self.epoch
-        self.recent_rids.clear()
+        """One DEALER for the worker's whole life. libzmq reconnects it with its own
+        back-off when the coordinator goes away; IMMEDIATE queues nothing while there is
+        no connection, so a coordinator that comes back gets no stale backlog, only our
+        heartbeats, and answers the first of them with DISCONNECT: we announce again."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
-        # a hard cap far above any valid message: zmq drops such a peer before we allocate
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * (self.max_payload + P.MAX_HEADER_BYTES))
-        sock.connect(self.config.coordinator)
+        # a hard cap far above any valid frame: zmq drops such a peer before we allocate
+        # (between the two the peer gets an `oversized` error)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * (self.max_payload + P.MAX_HEADER_BYTES))
+        try:
+            sock.connect(self.config.coordinator)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise MeshnetError("bad_address", f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
+                               "an address looks like tcp://127.0.0.1:5555") from None
         self.dealer = sock
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
         self._send(P.encode(P.READY, 0, capability=self.capability))
+
+    def _coordinator_lost(self) -> None:
+        """Its sessions are over: free them, drop the replies still owed to it, and keep
+        the socket (libzmq reconnects it; heartbeats go on and re-register us)."""
+        self.compute.jobs.put(Job("release_all", 0, self.epoch))
+        self.epoch += 1
+        self.compute.epoch = self.epoch
+        self.recent_rids.clear()
+        self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+        self._send(P.encode(P.READY, 0, capability=self.capability))  # dropped unless connected
 
     def _send(self, frames: list) -> None:
         try:
@@ -306,11 +350,24 @@ class StageWorker:
         except MeshnetError as e:
             self._refuse(msg.rid, e.code, e.message, msg.get("sid"))
 
+    def _queue(self, queue_kind: str, job: Job) -> None:
+        """Hand a job to the compute thread, or refuse it with `busy` when its kind's
+        bound is reached: no kind of request can grow the worker's memory without end."""
+        if self.queued[queue_kind] >= self.queue_limits[queue_kind]:
+            raise MeshnetError(P.E_BUSY, f"{self.queued[queue_kind]} {queue_kind} requests are already waiting; "
+                               "try again later")
+        self.queued[queue_kind] += 1
+        self.compute.jobs.put(job)
+
     def _health(self, msg: P.Message, t_recv_ns: int = 0) -> None:
-        # the engine's own statistics, read on the compute thread (after the work queued before it)
-        self.compute.queue_depth = self.pending_forwards
-        self.compute.jobs.put(Job("health", msg.rid, self.epoch, fields={
-            "requests": dict(self.requests), "errors": dict(self.errors), "stopping": self.stopping}))
+        # answered here, never queued behind work: the compute thread's last snapshot
+        # of the stage plus the socket loop's own counters
+        stats = dict(self.compute.stats)
+        errors = collections.Counter(stats.pop("errors", {}))
+        errors.update(self.errors)
+        self._send(P.encode(P.OK, msg.rid, info=dict(
+            stats, requests=dict(self.requests), errors=dict(errors), stopping=self.stopping,
+            queue_depth=self.queued["forward"], queued=dict(self.queued), rss_bytes=rss_bytes())))
 
     def _capability(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self._send(P.encode(P.OK, msg.rid, info=self.capability))
@@ -318,17 +375,16 @@ class StageWorker:
     def _control(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         if msg.type == P.OPEN and self.stopping:
             raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
-        self.compute.jobs.put(Job(msg.type, msg.rid, self.epoch, sid=msg["sid"]))
+        self._queue("control", Job(msg.type, msg.rid, self.epoch, sid=msg["sid"]))
 
     def _cancel(self, msg: P.Message, t_recv_ns: int = 0) -> None:
-        self.compute.cancel(msg["sid"])
-        self.compute.jobs.put(Job("cancel", msg.rid, self.epoch, sid=msg["sid"]))
+        sid = msg["sid"]
+        self._queue("control", Job("cancel", msg.rid, self.epoch, sid=sid))
+        self.compute.cancel(sid)  # after the job is queued: its job is what forgets the cancel again
 
     def _forward(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         if self.stopping:
             raise MeshnetError(P.E_SHUTTING_DOWN, "this worker is shutting down")
-        if self.pending_forwards >= self.config.max_queue:
-            raise MeshnetError(P.E_BUSY, f"{self.pending_forwards} requests are already waiting; try again later")
         sid, pos, n = msg["sid"], msg["pos"], msg["n"]
         if self.info.is_head:
             tokens = msg.get("tokens")
@@ -342,15 +398,14 @@ class StageWorker:
         if n > self.info.n_batch:
             raise P.ProtocolError(P.E_BAD_FIELD, f"n={n} is over this stage's n_batch {self.info.n_batch}", msg.rid, sid)
         deadline = time.monotonic() + msg.get("deadline_ms", DEFAULT_DEADLINE_MS) / 1000
-        self.pending_forwards += 1
-        self.compute.jobs.put(Job("forward", msg.rid, self.epoch, sid=sid, entry=entry, deadline=deadline,
-                                  fields={"logits": msg.get("logits", False)}, t_recv_ns=t_recv_ns))
+        self._queue("forward", Job("forward", msg.rid, self.epoch, sid=sid, entry=entry, deadline=deadline,
+                                   fields={"logits": msg.get("logits", False)}, t_recv_ns=t_recv_ns))
 
     def _tokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
-        self.compute.jobs.put(Job("tokenize", msg.rid, self.epoch, msg=msg))
+        self._queue("text", Job("tokenize", msg.rid, self.epoch, msg=msg))
 
     def _detokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
-        self.compute.jobs.put(Job("detokenize", msg.rid, self.epoch, msg=msg))
+        self._queue("text", Job("detokenize", msg.rid, self.epoch, msg=msg))
 
     def _shutdown(self, msg: P.Message, t_recv_ns: int = 0) -> None:
         self._send(P.encode(P.OK, msg.rid))
@@ -358,8 +413,9 @@ class StageWorker:
 
     def _relay_result(self) -> None:
         epoch_frame, kind_frame, *frames = self.results.recv_multipart()
-        if kind_frame == b"forward":
-            self.pending_forwards -= 1
+        kind = kind_frame.decode()
+        if kind != "release_all":  # the worker's own job, never counted against a bound
+            self.queued[QUEUE_OF.get(kind, "control")] -= 1
         if int.from_bytes(epoch_frame, "little") == self.epoch:
             self._send(frames)
 
@@ -370,7 +426,6 @@ class StageWorker:
         self.compute.start()
         self._connect()
         pacer = Pacer(self.config.heartbeat_interval)
-        backoff = Backoff()
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.dealer, zmq.POLLIN)
@@ -380,18 +435,15 @@ class StageWorker:
             if self.results in events:
                 self._relay_result()
             if self.dealer in events:
-                frames = self.dealer.recv_multipart()
-                self._handle(frames)
-                backoff.reset()
-            if self.stopping and self.pending_forwards == 0 and self.compute.jobs.empty():
+                frames, why = P.recv_frames(self.dealer, 2, self.max_payload + P.MAX_HEADER_BYTES)
+                if why is not None:
+                    self._refuse(None, P.E_OVERSIZED, why)
+                else:
+                    self._handle(frames)
+            if self.stopping and sum(self.queued.values()) == 0 and self.compute.jobs.empty():
                 break
             if self.coordinator_alive.dead():
-                # the coordinator is gone: its sessions are over; announce again, later
-                self.compute.jobs.put(Job("release_all", 0, self.epoch))
-                time.sleep(backoff.next())
-                poller.unregister(self.dealer)
-                self._connect()
-                poller.register(self.dealer, zmq.POLLIN)
+                self._coordinator_lost()  # nothing here blocks: heartbeats go on
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
         return self._stop()
