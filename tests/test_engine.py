@@ -36,10 +36,27 @@ def smollm2_whole(smollm2_path):
 def assert_split_matches_whole(path, seams, whole):
     split = generate(path, seams)
     assert len(split.tokens) == N_NEW
+    # zip() in max_logit_diff would quietly compare fewer steps
+    assert len(split.logits) == len(whole.logits) == N_NEW
     assert split.tokens == whole.tokens
     diff = max_logit_diff(split, whole)
     print(f"seams {seams}: max |dlogit| over {N_NEW} steps = {diff}")
     assert diff == 0.0
+
+
+@pytest.mark.parametrize("prompt,continuation", [
+    ("The capital of France is", " Paris"),
+    ("1, 2, 3, 4, 5, 6,", " 7, 8, 9, 10"),   # four numbers on: each decode step reads the KV of the last
+])
+def test_whole_model_continues_prompts_as_the_model_does(smollm2_path, prompt, continuation):
+    # the parity tests compare the engine with itself; this holds it to the model's known behaviour,
+    # so that an engine wrong the same way split and whole (lost KV, garbage logits) cannot pass
+    with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=256, max_sessions=1, n_threads=THREADS) as whole:
+        gen = whole.generate(whole.head.tokenize(prompt), 12, keep_logits=True, stop_at_eog=False)
+        text = whole.tail.detokenize(gen.tokens)
+    assert text.startswith(continuation), text
+    assert all(int(np.argmax(row)) == token for row, token in zip(gen.logits, gen.tokens))  # greedy is the argmax
+    assert all(np.isfinite(row).all() for row in gen.logits)
 
 
 @pytest.mark.parametrize("seams", [[1], [15], [29], [10, 20]], ids=lambda s: "seams" + "-".join(map(str, s)))
@@ -101,6 +118,7 @@ def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path
                 token, _ = _step(pipe, sid, pos[sid], [got[sid][-1]])
                 got[sid].append(token)
                 pos[sid] += 1
+        assert alone[0].tokens != alone[1].tokens  # else a mix-up of the two sessions could not show
         assert got[1] == alone[0].tokens
         assert got[2] == alone[1].tokens
 
@@ -139,8 +157,8 @@ def test_sessions_batched_in_one_forward_call_match_each_alone(smollm2_path):
             pipe.release_session(sid)
 
 
-def test_truncate_then_redecode_gives_the_same_tokens(smollm2_path):
-    with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=1, n_threads=THREADS) as pipe:
+def test_truncate_forgets_the_cut_tokens_exactly(smollm2_path):
+    with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=2, n_threads=THREADS) as pipe:
         prompt = pipe.head.tokenize(PROMPT)
         pipe.open_session(3)
         first, _ = _step(pipe, 3, 0, prompt)
@@ -153,27 +171,42 @@ def test_truncate_then_redecode_gives_the_same_tokens(smollm2_path):
         for stage in pipe.stages:
             stage.truncate_session(3, keep)
             assert stage.session_length(3) == keep
-        again, pos = tokens[:3], keep
-        for _ in range(6):
-            token, _ = _step(pipe, 3, pos, [again[-1]])
-            again.append(token)
-            pos += 1
-        assert again == tokens
+        # after the cut, a token other than the one generated there: had the cut tokens stayed
+        # in the KV (only the length reset), attention at `keep` would still see them
+        other = 11 if tokens[2] != 11 else 12
+        after_cut = [_step(pipe, 3, keep, [other])]
+        after_cut.append(_step(pipe, 3, keep + 1, [after_cut[-1][0]]))
+
+        # the same steps in a session that never held the cut tokens
+        pipe.open_session(4)
+        _step(pipe, 4, 0, prompt)
+        _step(pipe, 4, len(prompt), [tokens[0]])
+        _step(pipe, 4, len(prompt) + 1, [tokens[1]])
+        fresh = [_step(pipe, 4, keep, [other])]
+        fresh.append(_step(pipe, 4, keep + 1, [fresh[-1][0]]))
+        assert [t for t, _ in after_cut] == [t for t, _ in fresh]
+        assert max(float(np.abs(a - b).max()) for (_, a), (_, b) in zip(after_cut, fresh)) == 0.0
         pipe.release_session(3)
+        pipe.release_session(4)
 
 
 def test_prompt_longer_than_physical_batch_runs_in_chunks_identically(smollm2_path):
     long_prompt = " ".join([PROMPT] * 6)
     reference = generate(smollm2_path, [15], long_prompt, n_ctx=512)
     assert len(reference.prompt_tokens) > 100
-    # llama.cpp splits each call into physical batches of 16 rows
+    # llama.cpp splits each call into physical batches of 16 rows; the smaller scratch
+    # buffer shows that the option reached llama.cpp (else this would compare a run with itself)
+    with Stage(smollm2_path, (0, 15), n_ctx=512, max_sessions=1) as default, \
+            Stage(smollm2_path, (0, 15), n_ctx=512, max_sessions=1, n_ubatch=16) as small:
+        assert small.info().compute_bytes < default.info().compute_bytes / 4
     in_engine = generate(smollm2_path, [15], long_prompt, n_ctx=512, n_ubatch=16)
     assert in_engine.tokens == reference.tokens
     assert max_logit_diff(in_engine, reference) == 0.0
     # the caller sends the prompt in forward calls of 16 tokens
     layout = read_layout(smollm2_path)
     with LocalPipeline(smollm2_path, ranges_from_seams(layout.n_layer, [15]), n_ctx=512, n_batch=16, n_threads=THREADS) as pipe:
-        chunked = pipe.generate(reference.prompt_tokens, N_NEW, keep_logits=True, stop_at_eog=False)
+        assert pipe.head.info().n_batch == 16
+        chunked = pipe.generate(reference.prompt_tokens, N_NEW, keep_logits=True, stop_at_eog=False, prefill_chunk=16)
     assert chunked.tokens == reference.tokens
     assert max_logit_diff(chunked, reference) == 0.0
 

@@ -294,7 +294,7 @@ def test_the_engine_refuses_non_finite_residuals_and_keeps_the_session_where_it_
 # 9. error replies are always protocol-valid
 
 
-@pytest.mark.parametrize("sid", [True, False, -1, -(2 ** 63), 2.5, "seven"], ids=str)
+@pytest.mark.parametrize("sid", [True, False, -1, -(2 ** 63)], ids=str)
 def test_error_replies_never_echo_an_invalid_session_id(smollm2_path, fake_coordinator, sid):
     worker = start_worker(smollm2_path, fake_coordinator.endpoint, (0, 15))
     try:
