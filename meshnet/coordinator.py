@@ -203,6 +203,7 @@ class Coordinator:
         self._rids = itertools.count(secrets.randbits(40))
         self._sids = itertools.count(secrets.randbits(40))
         self.counters: collections.Counter = collections.Counter()
+        self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
         self._commands: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -429,7 +430,11 @@ class Coordinator:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
             self.counters["bad_messages"] += 1
-            if e.msg_type == P.READY:  # a worker that cannot join: its operator needs to know why
+            if e.msg_type == P.READY and identity not in self._refusals_logged:
+                # a worker that cannot join: its operator needs to know why, once per peer
+                self._refusals_logged[identity] = None
+                if len(self._refusals_logged) > 1024:
+                    self._refusals_logged.popitem(last=False)
                 log.warning("coordinator: refused a worker (peer %s): %s", identity.hex(), e.message)
             self._send(identity, P.error_frames(e.rid, e.code, e.message, sid=e.sid))
             return
@@ -472,7 +477,8 @@ class Coordinator:
         for other in [w for w in self.workers.values() if w.capability["worker_id"] == capability["worker_id"]]:
             # the worker process connected again: its old connection is dead, whatever it still delivers
             self._lose_worker(other, "connected again")
-        offer = offer_from_capability(identity.hex()[:12], capability)
+        # the worker process's id and this connection's: readable, and unique among the registered
+        offer = offer_from_capability(f"{capability['worker_id'][:8]}.{identity.hex()[-4:]}", capability)
         self.workers[identity] = WorkerRecord(identity, offer.worker, capability, offer,
                                               Liveness(self.heartbeat_interval, self.heartbeat_liveness))
         self.counters["registrations"] += 1

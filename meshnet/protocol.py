@@ -253,7 +253,7 @@ def decode(frames: list, max_payload: int) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(E_MALFORMED, "header is not a map")
     rid, sid = valid_id(header.get("rid")), valid_id(header.get("sid"))
-    if header.get("v") != VERSION:
+    if not _is_int(header.get("v")) or header["v"] != VERSION:  # True and 1.0 are not 1 here
         raise ProtocolError(E_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
     if rid is None:
         raise ProtocolError(E_BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)

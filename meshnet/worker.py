@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .engine import Entry, Stage
@@ -30,6 +31,7 @@ from .metrics import rss_bytes
 MAX_QUEUE = 16            # forward requests waiting for compute before "busy"
 MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics while forwards run
+GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect scheduled: libzmq gave up
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 DEFAULT_DEADLINE_MS = 60_000
@@ -274,10 +276,16 @@ class StageWorker:
     # connection
 
     def _connect(self) -> None:
-        """One DEALER for the worker's whole life. libzmq reconnects it with its own
-        back-off when the coordinator goes away; IMMEDIATE queues nothing while there is
-        no connection, so a coordinator that comes back gets no stale backlog, only our
-        heartbeats, and answers the first of them with DISCONNECT: we announce again."""
+        """One DEALER, kept: libzmq reconnects it with its own back-off when the
+        coordinator goes away; IMMEDIATE queues nothing while there is no connection, so a
+        coordinator that comes back gets no stale backlog, only our heartbeats, and
+        answers the first of them with DISCONNECT: we announce again. Only when libzmq
+        gives a connection up for good (a protocol error, such as a frame over
+        MAXMSGSIZE) is the socket made anew; its monitor says when."""
+        if self.dealer is not None:
+            self.dealer.disable_monitor()
+            self.monitor.close(linger=0)
+            self.dealer.close(linger=0)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -295,8 +303,15 @@ class StageWorker:
             raise MeshnetError("bad_address", f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
                                "an address looks like tcp://127.0.0.1:5555") from None
         self.dealer = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.disconnected_at: float | None = None
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
         self._send(P.encode(P.READY, 0, capability=self.capability))
+
+    def _on_link_event(self) -> None:
+        event = recv_monitor_message(self.monitor)["event"]
+        # libzmq announces a reconnect (CONNECT_RETRIED) right after an ordinary disconnect
+        self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
 
     def _coordinator_lost(self) -> None:
         """Its sessions are over: free them, drop the replies still owed to it, and keep
@@ -429,6 +444,7 @@ class StageWorker:
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         while True:
             events = dict(poller.poll(interval_ms))
@@ -442,6 +458,15 @@ class StageWorker:
                     self._handle(frames)
             if self.stopping and sum(self.queued.values()) == 0 and self.compute.jobs.empty():
                 break
+            if self.monitor in events:
+                self._on_link_event()
+            if self.disconnected_at is not None and time.monotonic() - self.disconnected_at > GIVEN_UP_AFTER:
+                self._coordinator_lost()
+                for sock in (self.dealer, self.monitor):
+                    poller.unregister(sock)
+                self._connect()
+                poller.register(self.dealer, zmq.POLLIN)
+                poller.register(self.monitor, zmq.POLLIN)
             if self.coordinator_alive.dead():
                 self._coordinator_lost()  # nothing here blocks: heartbeats go on
             if pacer.due():
@@ -454,6 +479,8 @@ class StageWorker:
         self.compute.join(timeout=30)
         self._send(P.encode(P.GOODBYE, 0))
         time.sleep(0.05)  # let the goodbye leave before the socket closes
+        self.dealer.disable_monitor()
+        self.monitor.close(linger=0)
         self.dealer.close(linger=100)
         self.results.close(linger=0)
         self.ctx.term()
