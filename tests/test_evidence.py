@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 
+from meshnet.bench import format_report
 from meshnet.cluster import LocalCluster
 from meshnet.metrics import MetricsServer
 
@@ -37,9 +38,14 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
     manifest = manifest_in(tmp_path)
     assert manifest["passed"]
     checks = {c["name"]: c for c in manifest["checks"]}
+    # the schema allows any six entries from its list: each check must be there, once
+    assert len(manifest["checks"]) == 6 and set(checks) == {
+        "whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup", "kill_worker"}
     assert all(c["status"] == "passed" for c in checks.values())
+    assert checks["whole_model_parity"]["tokens_equal"] and len(checks["whole_model_parity"]["tokens"]) == 32
     assert checks["whole_model_parity"]["max_abs_logit_diff"] == 0.0
     assert checks["kill_worker"]["error"]["code"] == "stage_lost"
+    assert checks["kill_worker"]["seconds_to_error"] <= checks["kill_worker"]["bound_seconds"]
     assert manifest["identity"]["model"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert manifest["metrics"]["session"]["decode_tok_s"] > 0
     assert all(s["rss_bytes"] > 0 for s in manifest["metrics"]["stages"])
@@ -69,6 +75,12 @@ def test_bench_prints_all_three_configurations_with_spread():
     assert configs["workers"]["hop_us_p50"]["median"] > 0
     assert configs["workers"]["seam_bytes_per_token"]["median"] == 576 * 4
     assert len(configs["workers"]["rss_bytes"]) == 2
+    # what a person reads: each configuration on its line with median [min-max]
+    text = format_report(report)
+    for entry in configs.values():
+        decode = entry["decode_tok_s"]
+        line = next(line for line in text.splitlines() if line.startswith(entry["label"]))
+        assert f"{decode['median']:.1f} [{decode['min']:.1f}-{decode['max']:.1f}]" in line
 
 
 def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):

@@ -8,21 +8,49 @@ from meshnet.engine import Stage, engine_pin
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = sorted((ROOT / "engine_c" / "patches").glob("*.patch"))
+PRISTINE = ROOT / "build" / "llama.cpp-pristine"
+TREE = ROOT / "build" / "llama.cpp"
+
+
+def test_the_patch_stack_is_there():
+    # every test below passes on an empty stack: it must not be empty
+    assert len(PATCHES) >= 4, [p.name for p in PATCHES]
 
 
 def test_each_patch_applies_and_reverses_cleanly_on_the_pristine_tree():
-    result = subprocess.run(
-        [str(ROOT / "tools" / "patch_tree.sh"), "check", str(ROOT / "build" / "llama.cpp-pristine"), *map(str, PATCHES)],
-        capture_output=True, text=True,
-    )
+    assert PATCHES and (PRISTINE / "CMakeLists.txt").is_file()
+    result = subprocess.run([str(ROOT / "tools" / "patch_tree.sh"), "check", str(PRISTINE), *map(str, PATCHES)],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(PATCHES)} patches apply and reverse" in result.stdout
+    for patch in PATCHES:  # each one, by name, both ways
+        assert f"applies cleanly:  {patch.name}" in result.stdout
+        assert f"reverses cleanly: {patch.name}" in result.stdout
 
 
 def test_every_patch_says_why():
+    assert PATCHES
     for patch in PATCHES:
         header = patch.read_text().split("\ndiff --git", 1)[0]
-        assert "Why:" in header, f"{patch.name} has no 'Why:' header"
+        why = header.split("Why:", 1)[1].strip() if "Why:" in header else ""
+        assert len(why) > 20, f"{patch.name} has no 'Why:' header that says why"
+
+
+def test_the_engine_tree_is_the_pristine_tree_with_exactly_this_stack(tmp_path):
+    # what the build compiled: the stack it applied last is this one, byte for byte, and
+    # reversing it gives back the pristine tree (nothing else was changed by hand)
+    applied = sorted((TREE / ".meshnet-applied").glob("*.patch"))
+    assert [p.name for p in applied] == [p.name for p in PATCHES]
+    assert all(a.read_bytes() == p.read_bytes() for a, p in zip(applied, PATCHES))
+    copy = tmp_path / "tree"
+    subprocess.run(["cp", "-a", str(TREE), str(copy)], check=True)
+    for patch in reversed(PATCHES):
+        result = subprocess.run(["patch", "-d", str(copy), "-p1", "-R", "--fuzz=0", "--no-backup-if-mismatch", "-s"],
+                                stdin=patch.open("rb"), capture_output=True, text=True)
+        assert result.returncode == 0, f"{patch.name} does not reverse on the engine tree: {result.stdout}{result.stderr}"
+    diff = subprocess.run(["diff", "-r", "-q", "-x", ".meshnet-applied", "-x", ".stamp", str(PRISTINE), str(copy)],
+                          capture_output=True, text=True)
+    assert diff.returncode == 0, diff.stdout[-2000:]
 
 
 def test_engine_reports_the_pin_it_was_built_from(smollm2_path):
