@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -53,6 +54,20 @@ class StderrTail(threading.Thread):
     def text(self) -> str:
         self.join(timeout=1)  # an exited child's last words may still be in the pipe
         return "\n".join(self.lines)
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is pid, from /proc: how tests and tools find a run's workers."""
+    children = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state
+                        children.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return children
 
 
 def _process_state(pid: int) -> str | None:

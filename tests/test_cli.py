@@ -6,8 +6,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from meshnet.cluster import children_of
 from meshnet.engine import engine_pin  # noqa: F401  (fails early when the engine is not built)
 from meshnet.gguf_layout import read_layout
 from meshnet.pipeline import LocalPipeline
@@ -99,7 +99,7 @@ def test_ctrl_c_during_run_leaves_no_worker_processes():
     try:
         deadline = time.monotonic() + 60
         while len(children) < 2 and time.monotonic() < deadline:
-            children = _children_of(run.pid)
+            children = children_of(run.pid)
             time.sleep(0.1)
         assert len(children) == 2, "meshnet run did not start its two workers"
         # generating: the prompt is echoed with the first token, so wait for more than the prompt
@@ -122,18 +122,6 @@ def test_ctrl_c_during_run_leaves_no_worker_processes():
         for pid in children:  # a failed run must not leave them to the next test
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _children_of(pid):
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # the field after the state is the parent's pid
-            children.append(int(stat.parent.name))
-    return children
 
 
 def _alive(pid):

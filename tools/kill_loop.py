@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnet.cluster import children_of as cluster_children_of
+
 ERROR_LINE = re.compile(r"^error: \[([^\]]+)\] ?(.*)$", re.MULTILINE)
 POLL_S = 0.02      # how often the moment to signal is looked for
 
@@ -80,16 +82,7 @@ def children_of(pid: int) -> list[int]:
             except OSError:
                 pass
         return sorted(found)
-    # without CONFIG_PROC_CHILDREN: every process's parent pid, as tests/test_cli.py finds them
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # the field after the state is the parent's pid
-            found.append(int(stat.parent.name))
-    return found
+    return cluster_children_of(pid)  # without CONFIG_PROC_CHILDREN: every process's parent pid
 
 
 def cmdline(pid: int) -> list[str]:
