@@ -1,0 +1,51 @@
+"""The README's set-up: `make` on a Debian whose system Python is externally managed
+(PEP 668) must install into a virtual environment, never into the system Python.
+
+CI runs the real thing (`.ci/run` builds with /usr/bin/python3); these tests read what
+`make` would do, so that a Makefile change that would go back to the system pip fails
+here in a second."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_dry_run(*targets, fresh=True, **env):
+    environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    environment.update(env)
+    # -B: as on a fresh clone, every recipe would run
+    result = subprocess.run(["make", "-n", *(["-B"] if fresh else []), *targets], cwd=ROOT, capture_output=True, text=True, env=environment,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_make_without_an_active_venv_installs_into_the_project_venv_made_with_the_given_python():
+    lines = make_dry_run("python", "model", PYTHON="/usr/bin/python3")
+    assert "/usr/bin/python3 -m venv .venv" in lines
+    installs = [line for line in lines if " install " in line]
+    assert installs and all(line.startswith(".venv/bin/python -m pip install") for line in installs), installs
+    assert not any(line.startswith("/usr/bin/python3 -m pip") for line in lines)
+    assert ".venv/bin/python -m meshnet.models ensure smollm2" in lines
+
+
+def test_make_uses_an_active_virtual_environment_as_it_is(tmp_path):
+    python = tmp_path / "mine" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()  # an existing venv, as an activated one is
+    lines = make_dry_run("python", fresh=False, VIRTUAL_ENV=str(tmp_path / "mine"))
+    assert not any(" -m venv " in line for line in lines)  # the user's venv already exists
+    assert any(line.startswith(f"{tmp_path}/mine/bin/python -m pip install") for line in lines), lines
+
+
+def test_make_test_and_make_run_use_the_venv():
+    assert ".venv/bin/python -m pytest -q tests" in make_dry_run("test")
+    assert any(line.strip() == ".venv/bin/meshnet run" for line in make_dry_run("run"))
+
+
+def test_ci_builds_with_the_system_python_where_there_is_one():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "/usr/bin/python3" in script and "python3-venv" in script
+    assert "unset VIRTUAL_ENV" in script
