@@ -218,6 +218,10 @@ def resolve(model: str | None) -> tuple[Path, str]:
     path = Path(model).expanduser()
     if not path.is_file():
         raise MeshnetError("model_not_found", f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
+    # a file is only ever remembered after it parsed as GGUF, so a remembered one needs no
+    # second parse (seconds with the gguf package; every worker of a route resolves it)
+    if (sha := _cached_sha256(path)) is not None:
+        return path, sha
     # imported here, not at the top: gguf pulls in numpy, which `meshnet --help` need not wait for
     from .gguf_layout import read_layout
 
