@@ -269,8 +269,8 @@ class Coordinator:
         sid = next(self._sids)
         events: queue.Queue = queue.Queue()
         chunk = prefill_chunk or self.prefill_chunk
-        self._submit(lambda f: self._start_session(sid, list(prompt_tokens), max_tokens, want_logits, stop_at_eog,
-                                                   chunk, events))
+        self._submit(lambda f: self._start_session_guarded(sid, list(prompt_tokens), max_tokens, want_logits,
+                                                           stop_at_eog, chunk, events))
         return SessionHandle(self, sid, events)
 
     def cancel(self, sid: int) -> None:
@@ -474,6 +474,8 @@ class Coordinator:
         if current is not None and current.capability == capability:
             current.liveness.heard()  # the same worker saying it again
             return
+        if current is not None:  # this connection now offers something else: what it offered is gone
+            self._lose_worker(current, "announced a different capability")
         for other in [w for w in self.workers.values() if w.capability["worker_id"] == capability["worker_id"]]:
             # the worker process connected again: its old connection is dead, whatever it still delivers
             self._lose_worker(other, "connected again")
@@ -580,6 +582,20 @@ class Coordinator:
 
     def _route_offers(self) -> list[StageOffer]:
         return [w.offer for w in self._route()]
+
+    def _start_session_guarded(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
+        """A session that cannot start ends with an error its caller receives, never a silent wait."""
+        try:
+            self._start_session(sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events)
+        except Exception as e:
+            self.counters["internal_errors"] += 1
+            log.exception("coordinator: starting session %s failed", sid)
+            error = MeshnetError("internal", f"starting the session failed: {type(e).__name__}: {e}", session=sid)
+            session = self.sessions.get(sid)
+            if session is not None:
+                self._guarded("failing a session that could not start", self._fail, session, error, None, True)
+            else:
+                events.put(("error", error))
 
     def _start_session(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
         try:
