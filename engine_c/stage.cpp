@@ -417,15 +417,15 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 roll_back();
                 return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
             }
-            const int64_t bad = first_bad_value(logits, info.n_vocab, INFINITY);
-            if (bad >= 0) {
-                roll_back();
-                return stage->fail(MESHNET_ERR_BAD_VALUE,
-                        format("entry %d: the stage computed a non-finite logit (%g for token %lld); nothing was kept",
-                               i, (double) logits[bad], (long long) bad));
-            }
+            // one pass over the vocabulary: the greedy token, and no non-finite logit
             int32_t best = 0;
-            for (int32_t v = 1; v < info.n_vocab; ++v) {
+            for (int32_t v = 0; v < info.n_vocab; ++v) {
+                if (!std::isfinite(logits[v])) {
+                    roll_back();
+                    return stage->fail(MESHNET_ERR_BAD_VALUE,
+                            format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
+                                   i, (double) logits[v], v));
+                }
                 if (logits[v] > logits[best]) {
                     best = v;
                 }

@@ -269,8 +269,8 @@ class Coordinator:
         sid = next(self._sids)
         events: queue.Queue = queue.Queue()
         chunk = prefill_chunk or self.prefill_chunk
-        self._submit(lambda f: self._start_session_guarded(sid, list(prompt_tokens), max_tokens, want_logits,
-                                                           stop_at_eog, chunk, events))
+        self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, list(prompt_tokens),
+                                             max_tokens, want_logits, stop_at_eog, chunk, events, sid=sid, events=events))
         return SessionHandle(self, sid, events)
 
     def cancel(self, sid: int) -> None:
@@ -375,20 +375,26 @@ class Coordinator:
                 self.counters["internal_errors"] += 1
                 log.exception("coordinator: unexpected error in the I/O loop; it goes on")
 
-    def _guarded(self, what: str, fn, *args, session: "Session | None" = None) -> None:
+    def _guarded(self, what: str, fn, *args, sid: int | None = None, events: queue.Queue | None = None) -> None:
         """Run one piece of the loop's work; an exception in it is logged with its
-        traceback and fails only the session it belongs to (if any), never the loop."""
+        traceback and fails only the session it belongs to (sid), never the loop. A
+        session that never got registered hears of it through its caller's events."""
         try:
             fn(*args)
         except Exception as e:
             self.counters["internal_errors"] += 1
             log.exception("coordinator: %s failed", what)
-            if session is not None and not session.finished:
-                try:
-                    self._fail(session, MeshnetError("internal", f"{what} failed: {type(e).__name__}: {e}",
-                                                     session=session.sid), cancel=True)
-                except Exception:
-                    log.exception("coordinator: failing session %s after an error failed too", session.sid)
+            if sid is None:
+                return
+            error = MeshnetError("internal", f"{what} failed: {type(e).__name__}: {e}", session=sid)
+            session = self.sessions.get(sid)
+            try:
+                if session is not None:
+                    self._fail(session, error, cancel=True)
+                elif events is not None:
+                    events.put(("error", error))
+            except Exception:
+                log.exception("coordinator: failing session %s after an error failed too", sid)
 
     def _receive(self) -> None:
         frames, why = P.recv_frames(self.router, MAX_FRAMES, self.max_message_bytes)
@@ -463,8 +469,7 @@ class Coordinator:
             worker.replies += 1
             if msg.type == P.ERROR:
                 worker.errors[msg["code"]] += 1
-            self._guarded(f"the reply to a {pending.kind}", self._on_reply, worker, pending, msg,
-                          session=self.sessions.get(pending.sid) if pending.sid is not None else None)
+            self._guarded(f"the reply to a {pending.kind}", self._on_reply, worker, pending, msg, sid=pending.sid)
             return
         self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
 
@@ -529,8 +534,7 @@ class Coordinator:
             pending = self.pending.pop(rid, None)
             if pending is None:
                 continue
-            session = self.sessions.get(pending.sid) if pending.sid is not None else None
-            self._guarded("expiring a request", self._expire, pending, session=session)
+            self._guarded("expiring a request", self._expire, pending, sid=pending.sid)
 
     def _expire(self, pending: Pending) -> None:
         worker = self.workers.get(pending.worker)
@@ -582,20 +586,6 @@ class Coordinator:
 
     def _route_offers(self) -> list[StageOffer]:
         return [w.offer for w in self._route()]
-
-    def _start_session_guarded(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
-        """A session that cannot start ends with an error its caller receives, never a silent wait."""
-        try:
-            self._start_session(sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events)
-        except Exception as e:
-            self.counters["internal_errors"] += 1
-            log.exception("coordinator: starting session %s failed", sid)
-            error = MeshnetError("internal", f"starting the session failed: {type(e).__name__}: {e}", session=sid)
-            session = self.sessions.get(sid)
-            if session is not None:
-                self._guarded("failing a session that could not start", self._fail, session, error, None, True)
-            else:
-                events.put(("error", error))
 
     def _start_session(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
         try:

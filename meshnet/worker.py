@@ -314,14 +314,11 @@ class StageWorker:
         self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
 
     def _coordinator_lost(self) -> None:
-        """Its sessions are over: free them, drop the replies still owed to it, and keep
-        the socket (libzmq reconnects it; heartbeats go on and re-register us)."""
+        """Its sessions are over: free them and drop the replies still owed to it."""
         self.compute.jobs.put(Job("release_all", 0, self.epoch))
         self.epoch += 1
         self.compute.epoch = self.epoch
         self.recent_rids.clear()
-        self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
-        self._send(P.encode(P.READY, 0, capability=self.capability))  # dropped unless connected
 
     def _send(self, frames: list) -> None:
         try:
@@ -464,11 +461,14 @@ class StageWorker:
                 self._coordinator_lost()
                 for sock in (self.dealer, self.monitor):
                     poller.unregister(sock)
-                self._connect()
+                self._connect()  # announces us on the new socket
                 poller.register(self.dealer, zmq.POLLIN)
                 poller.register(self.monitor, zmq.POLLIN)
-            if self.coordinator_alive.dead():
-                self._coordinator_lost()  # nothing here blocks: heartbeats go on
+            elif self.coordinator_alive.dead():
+                # nothing here blocks: the socket stays (libzmq reconnects it), heartbeats go on
+                self._coordinator_lost()
+                self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+                self._send(P.encode(P.READY, 0, capability=self.capability))  # dropped unless connected
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
         return self._stop()
