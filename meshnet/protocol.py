@@ -84,6 +84,10 @@ class Message:
 
 
 # field checks: (python types, required, extra check or None)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
+
+
 def _u64(v):
     return 0 <= v <= U64_MAX
 
@@ -97,11 +101,7 @@ def _positive(v):
 
 
 def _shape(v):
-    return len(v) == 2 and all(isinstance(d, int) and 0 < d < 1 << 31 for d in v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
+    return len(v) == 2 and all(_is_int(d) and 0 < d < 1 << 31 for d in v)
 
 
 def _tokens(v):
@@ -279,7 +279,7 @@ def decode(frames: list, max_payload: int) -> Message:
     return Message(msg_type, rid, fields, payload)
 
 
-def recv_frames(sock, max_frames: int, max_bytes: int) -> tuple[list | None, str | None]:
+def recv_frames(sock, max_frames: int, max_bytes: int) -> tuple[list, str | None]:
     """One whole message from a socket that poll() said is readable, as (frames, None),
     or ([first frame], why) when it has more frames or bytes than any valid message. zmq's
     MAXMSGSIZE bounds each frame, not their number: an over-long message's frames are
