@@ -24,6 +24,7 @@ import numpy as np
 from . import models
 from .cluster import LocalCluster
 from .engine import engine_pin
+from . import errors
 from .errors import MeshnetError
 from .gguf_layout import read_layout
 from .pipeline import LocalPipeline, even_ranges
@@ -171,7 +172,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
                 code = e.code
             cancel_ms = (time.monotonic() - t0) * 1000
             other_ok = keep.result().tokens == reference[PROMPTS[2]][1].tokens
-            return code == "cancelled" and other_ok, {"error_code": code, "ms_to_cancelled": cancel_ms,
+            return code == errors.CANCELLED and other_ok, {"error_code": code, "ms_to_cancelled": cancel_ms,
                                                       "other_session_unchanged": other_ok}
 
         def cleanup():
@@ -196,7 +197,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
             except MeshnetError as e:
                 error = e.to_dict()
             seconds = time.monotonic() - t0
-            structured = bool(error) and error.get("code") == "stage_lost" and \
+            structured = bool(error) and error.get("code") == errors.STAGE_LOST and \
                 error.get("stage") == f"[{victim_range[0]},{victim_range[1]})" and "elapsed_ms" in error
             cluster.spawn_worker(victim_range)
             coordinator.wait_for_route(60, n_stages=len(ranges))

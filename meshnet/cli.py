@@ -9,6 +9,7 @@ import sys
 import click
 
 from . import models
+from . import errors
 from .errors import MeshnetError, exit_status
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -93,7 +94,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
 
 def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
     if n_prompt + max_tokens > n_ctx:
-        raise MeshnetError("context_full", f"{n_prompt} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
+        raise MeshnetError(errors.CONTEXT_FULL, f"{n_prompt} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
 
 
 def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
@@ -246,13 +247,13 @@ def status(url, watch, as_json):
             with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
                 snapshot = json.loads(response.read())
         except TimeoutError:
-            _fail(MeshnetError("timeout", f"the coordinator at {url} did not answer within {timeout} s"))
+            _fail(MeshnetError(errors.TIMEOUT, f"the coordinator at {url} did not answer within {timeout} s"))
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):  # a timeout while connecting comes wrapped
-                _fail(MeshnetError("timeout", f"the coordinator at {url} did not answer within {timeout} s"))
-            _fail(MeshnetError("unreachable", f"no coordinator metrics at {url}: {e.reason}"))
+                _fail(MeshnetError(errors.TIMEOUT, f"the coordinator at {url} did not answer within {timeout} s"))
+            _fail(MeshnetError(errors.UNREACHABLE, f"no coordinator metrics at {url}: {e.reason}"))
         except (OSError, ValueError) as e:
-            _fail(MeshnetError("unreachable", f"no coordinator metrics at {url}: {e}"))
+            _fail(MeshnetError(errors.UNREACHABLE, f"no coordinator metrics at {url}: {e}"))
         if as_json:
             click.echo(json.dumps(snapshot))
         else:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .coordinator import Coordinator
+from . import errors
 from .errors import MeshnetError
 
 PR_SET_PDEATHSIG = 1
@@ -153,13 +154,13 @@ class LocalCluster:
         for layers, process in self.processes.items():
             label = f"[{layers[0]},{layers[1]})"
             if process.poll() is not None:
-                raise MeshnetError("worker_exited", f"the worker for layers {label} {_describe_exit(process.returncode)} "
+                raise MeshnetError(errors.WORKER_EXITED, f"the worker for layers {label} {_describe_exit(process.returncode)} "
                                    f"before the route formed{self._tail_of(layers)}", stage=label,
                                    exit_status=process.returncode)
             if _process_state(process.pid) == "T":
                 since = stopped_since.setdefault(layers, time.monotonic())
                 if time.monotonic() - since > STOPPED_GRACE:
-                    raise MeshnetError("worker_exited", f"the worker for layers {label} (pid {process.pid}) has been "
+                    raise MeshnetError(errors.WORKER_EXITED, f"the worker for layers {label} (pid {process.pid}) has been "
                                        f"stopped for {STOPPED_GRACE:g} s before the route formed (SIGSTOP?)",
                                        stage=label)
             else:

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 from cffi import FFI
 
+from . import errors
 from .errors import MeshnetError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -24,21 +25,21 @@ ABI_VERSION = 1
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
-    1: "invalid_argument",
-    2: "not_gguf",
-    3: "model_load",
-    4: "unsupported_arch",
-    5: "bad_range",
-    6: "bad_token",
-    7: "bad_width",
-    8: "context_full",
-    9: "unknown_session",
-    10: "too_many_sessions",
-    11: "aborted",
-    12: "decode_failed",
-    13: "buffer_too_small",
-    14: "internal",
-    15: "bad_payload",   # a residual or logit that is not finite (or too large to be real)
+    1: errors.INVALID_ARGUMENT,
+    2: errors.NOT_GGUF,
+    3: errors.MODEL_LOAD,
+    4: errors.UNSUPPORTED_ARCH,
+    5: errors.BAD_RANGE,
+    6: errors.BAD_TOKEN,
+    7: errors.BAD_WIDTH,
+    8: errors.CONTEXT_FULL,
+    9: errors.UNKNOWN_SESSION,
+    10: errors.TOO_MANY_SESSIONS,
+    11: errors.ABORTED,
+    12: errors.DECODE_FAILED,
+    13: errors.BUFFER_TOO_SMALL,
+    14: errors.INTERNAL,
+    15: errors.BAD_PAYLOAD,   # a residual or logit that is not finite (or too large to be real)
 }
 
 
@@ -77,11 +78,11 @@ def library():
     if _lib is None:
         path = Path(os.environ.get("MESHNET_ENGINE_LIB", DEFAULT_LIBRARY))
         if not path.exists():
-            raise MeshnetError("engine_missing", f"the engine library {path} does not exist: run `make` first")
+            raise MeshnetError(errors.ENGINE_MISSING, f"the engine library {path} does not exist: run `make` first")
         lib = _ffi.dlopen(str(path))
         if lib.meshnet_engine_abi_version() != ABI_VERSION:
             raise MeshnetError(
-                "engine_mismatch",
+                errors.ENGINE_MISMATCH,
                 f"{path} speaks engine ABI {lib.meshnet_engine_abi_version()}, this package needs {ABI_VERSION}: run `make`",
             )
         _lib = lib
@@ -145,7 +146,7 @@ def utf8_or_error(text: str, what: str) -> bytes:
     except UnicodeEncodeError as e:
         offset = len(text[:e.start].encode(errors="surrogateescape"))
         byte = text.encode(errors="surrogateescape")[offset]
-        raise MeshnetError("invalid_argument", f"{what} is not valid UTF-8 (byte 0x{byte:02x} at offset {offset}); "
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"{what} is not valid UTF-8 (byte 0x{byte:02x} at offset {offset}); "
                            "give it in UTF-8") from None
 
 
@@ -186,7 +187,7 @@ class Stage:
         err = _ffi.new("char[]", 2048)
         status = lib.meshnet_stage_open(params, out, err, len(err))
         if status != 0:
-            raise MeshnetError(STATUS_CODES.get(status, "internal"), _ffi.string(err).decode(errors="replace"))
+            raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), _ffi.string(err).decode(errors="replace"))
         self._stage = out[0]
         self.info_static = self.info()
 
@@ -209,11 +210,11 @@ class Stage:
     def _check(self, status: int) -> None:
         if status != 0:
             message = _ffi.string(self._lib.meshnet_stage_last_error(self._stage)).decode(errors="replace")
-            raise MeshnetError(STATUS_CODES.get(status, "internal"), message)
+            raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), message)
 
     def _live(self):
         if self._stage is None:
-            raise MeshnetError("closed", "this stage has been closed")
+            raise MeshnetError(errors.CLOSED, "this stage has been closed")
         return self._stage
 
     # description
@@ -277,7 +278,7 @@ class Stage:
             if entry.residual is not None:
                 residual = np.ascontiguousarray(entry.residual, dtype=np.float32)
                 if residual.ndim != 2:
-                    raise MeshnetError("bad_width", f"residual must be 2-D (n_tokens, n_embd), got shape {residual.shape}")
+                    raise MeshnetError(errors.BAD_WIDTH, f"residual must be 2-D (n_tokens, n_embd), got shape {residual.shape}")
                 keep.append(residual)
                 raw_entry.n_tokens = residual.shape[0]
                 raw_entry.embd_width = residual.shape[1]
@@ -314,7 +315,7 @@ class Stage:
         while True:
             buf = _ffi.new("int32_t[]", capacity)
             status = self._lib.meshnet_tokenize(self._live(), data, len(data), add_special, parse_special, buf, capacity, n)
-            if status == 13:  # buffer too small: n holds the size needed
+            if STATUS_CODES.get(status) == errors.BUFFER_TOO_SMALL:  # n holds the size needed
                 capacity = n[0]
                 continue
             self._check(status)
@@ -331,7 +332,7 @@ class Stage:
         while True:
             buf = _ffi.new("char[]", capacity)
             status = self._lib.meshnet_detokenize(self._live(), _ffi.from_buffer("int32_t[]", arr), len(arr), buf, capacity, n)
-            if status == 13:
+            if STATUS_CODES.get(status) == errors.BUFFER_TOO_SMALL:
                 capacity = n[0] + 1
                 continue
             self._check(status)

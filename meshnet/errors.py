@@ -1,24 +1,87 @@
 """The one error type of meshnet: a stable code a program can branch on, a sentence a
-person can act on, and the context (stage, session, ...) that locates it."""
+person can act on, and the context (stage, session, ...) that locates it.
+
+Every code is defined here, once: a constant named as the code in upper case whose value
+is the plain string that goes on the wire, with the CLI's exit status for it and what it
+means. Other modules raise `MeshnetError(errors.BAD_RANGE, ...)`, never a string literal.
+A code that arrives from the wire and is not listed here is still carried (exit status 1).
+"""
 
 from __future__ import annotations
 
+# code -> (exit status of the CLI, one line saying what it means)
+CODES: dict[str, tuple[int, str]] = {}
 
-# The CLI's exit status says which kind of problem it was, from the same code.
-EXIT_STATUS = {
-    **dict.fromkeys(("not_gguf", "truncated_gguf", "model_not_found", "model_checksum", "unknown_model", "model_load",
-                     "unsupported_arch", "bad_range", "engine_missing", "engine_mismatch"), 3),   # the model or engine
-    **dict.fromkeys(("route_incomplete", "stage_lost", "unreachable", "deadline_exceeded", "busy",
-                     "shutting_down", "worker_exited", "address_in_use", "timeout"), 4),         # the workers, the network
-    **dict.fromkeys(("context_full", "bad_token", "bad_width", "invalid_argument", "too_many_sessions",
-                     "unknown_session", "cancelled", "bad_payload"), 5),                        # the request
-    "bad_address": 2,                                                                            # the command line
-}
+
+def _code(code: str, exit_status: int, meaning: str) -> str:
+    if code in CODES:
+        raise ValueError(f"error code {code!r} is defined twice")
+    CODES[code] = (exit_status, meaning)
+    return code
+
+
+# Exit statuses: 1 anything else, 2 a bad command line (click's own), 3 the model or the
+# engine, 4 the workers or the network, 5 the request.
+
+# 2: the command line
+BAD_ADDRESS = _code("bad_address", 2, "an address that cannot be listened on or connected to as given")
+
+# 3: the model or the engine
+NOT_GGUF = _code("not_gguf", 3, "a file that is not a readable GGUF model")
+TRUNCATED_GGUF = _code("truncated_gguf", 3, "a GGUF file shorter than its header says")
+MODEL_NOT_FOUND = _code("model_not_found", 3, "neither a known model name nor an existing file")
+MODEL_CHECKSUM = _code("model_checksum", 3, "a known model whose bytes do not have the recorded sha256")
+UNKNOWN_MODEL = _code("unknown_model", 3, "a model name that is not in the list of known models")
+MODEL_LOAD = _code("model_load", 3, "the engine could not load the model")
+UNSUPPORTED_ARCH = _code("unsupported_arch", 3, "a model architecture the engine cannot split into stages")
+BAD_RANGE = _code("bad_range", 3, "a layer range or split that is empty, reversed or outside the model")
+ENGINE_MISSING = _code("engine_missing", 3, "the engine library has not been built")
+ENGINE_MISMATCH = _code("engine_mismatch", 3, "the engine library speaks another ABI version than this package")
+
+# 4: the workers, the network
+ROUTE_INCOMPLETE = _code("route_incomplete", 4, "the registered workers do not make a route over the whole model")
+STAGE_LOST = _code("stage_lost", 4, "a worker holding a stage of the session went away")
+HOP_UNREACHABLE = _code("hop_unreachable", 4, "a stage could not pass its output to the next stage")
+UNREACHABLE = _code("unreachable", 4, "a peer (a coordinator's metrics, a worker) did not answer")
+DEADLINE_EXCEEDED = _code("deadline_exceeded", 4, "no answer came within the request's deadline")
+BUSY = _code("busy", 4, "a worker's queue is full; try again later")
+SHUTTING_DOWN = _code("shutting_down", 4, "a worker that is shutting down takes no new work")
+WORKER_EXITED = _code("worker_exited", 4, "a worker process exited or stopped before the route formed")
+ADDRESS_IN_USE = _code("address_in_use", 4, "the address to listen on is already taken")
+TIMEOUT = _code("timeout", 4, "an operation did not finish in the time given to it")
+
+# 5: the request
+CONTEXT_FULL = _code("context_full", 5, "the prompt and the tokens asked for do not fit the context")
+BAD_TOKEN = _code("bad_token", 5, "a token id outside the model's vocabulary")
+BAD_WIDTH = _code("bad_width", 5, "residual rows whose shape is not (n_tokens, n_embd)")
+INVALID_ARGUMENT = _code("invalid_argument", 5, "an argument the operation cannot take (an empty prompt, bad UTF-8)")
+TOO_MANY_SESSIONS = _code("too_many_sessions", 5, "a stage already holds as many sessions as it was opened for")
+UNKNOWN_SESSION = _code("unknown_session", 5, "a session id the stage does not hold")
+CANCELLED = _code("cancelled", 5, "the session was cancelled by its caller")
+BAD_PAYLOAD = _code("bad_payload", 5, "a payload (residual, logits, token ids) that is missing, mis-sized or not finite")
+BAD_KEY = _code("bad_key", 5, "a data message without the session's token")
+
+# 1: the protocol's refusals of a message, and what should never happen
+MALFORMED = _code("malformed", 1, "a message that is not valid msgpack or not a map in 1 or 2 frames")
+BAD_VERSION = _code("bad_version", 1, "a message of another protocol version")
+UNKNOWN_TYPE = _code("unknown_type", 1, "a message type the protocol does not define")
+BAD_FIELD = _code("bad_field", 1, "a message field that is missing, unknown or has a bad value")
+OVERSIZED = _code("oversized", 1, "a header or payload over the protocol's size limit")
+DUPLICATE_REQUEST = _code("duplicate_request", 1, "a request id already in flight on this connection")
+ABORTED = _code("aborted", 1, "the engine stopped a forward pass on request (abort callback)")
+DECODE_FAILED = _code("decode_failed", 1, "llama.cpp failed to decode a batch")
+BUFFER_TOO_SMALL = _code("buffer_too_small", 1, "an output buffer too small for the engine's answer")
+CLOSED = _code("closed", 1, "an engine stage used after it was closed")
+INTERNAL = _code("internal", 1, "a failure meshnet did not expect: a bug")
 
 
 def exit_status(code: str) -> int:
-    """1 for anything not listed; 2 is click's, for a bad command line."""
-    return EXIT_STATUS.get(code, 1)
+    """The CLI's exit status for a code; 1 for a code not listed (one from the wire, say)."""
+    return CODES.get(code, (1, ""))[0]
+
+
+def meaning(code: str) -> str:
+    return CODES.get(code, (1, "a code this version of meshnet does not know"))[1]
 
 
 class MeshnetError(Exception):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gguf
 
+from . import errors
 from .errors import MeshnetError
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -110,24 +111,24 @@ def _read_layout(path: str) -> ModelLayout:
         reader = _CheckedReader(path)
     except _Truncated as t:
         raise MeshnetError(
-            "truncated_gguf",
+            errors.TRUNCATED_GGUF,
             f"'{path}' is truncated: its header says {t.needed} bytes of tensor data, the file has "
             f"{max(t.present, 0)}; copy or download it again",
         ) from None
     except OSError as e:
-        raise MeshnetError("not_gguf", f"'{path}' is not a readable GGUF file: {e.strerror or e}") from e
+        raise MeshnetError(errors.NOT_GGUF, f"'{path}' is not a readable GGUF file: {e.strerror or e}") from e
     except Exception as e:  # the gguf package raises plain ValueError/numpy errors on bad files
         if not _has_gguf_magic(path):
-            raise MeshnetError("not_gguf", f"'{path}' is not a GGUF file: it does not start with 'GGUF'") from e
+            raise MeshnetError(errors.NOT_GGUF, f"'{path}' is not a GGUF file: it does not start with 'GGUF'") from e
         raise MeshnetError(
-            "not_gguf",
+            errors.NOT_GGUF,
             f"'{path}' starts like a GGUF file but its header cannot be read ({e}): it is "
             "truncated or corrupt; copy or download it again",
         ) from e
     arch = _field(reader, "general.architecture")
     n_layer = _field(reader, f"{arch}.block_count")
     if not arch or n_layer is None:
-        raise MeshnetError("not_gguf", f"'{path}' does not describe a layered language model")
+        raise MeshnetError(errors.NOT_GGUF, f"'{path}' does not describe a layered language model")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
 

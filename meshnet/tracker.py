@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .errors import MeshnetError
-
-ROUTE_INCOMPLETE = "route_incomplete"
+from .errors import ROUTE_INCOMPLETE, MeshnetError
 
 
 @dataclass(frozen=True)
