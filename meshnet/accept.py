@@ -27,7 +27,8 @@ from .engine import engine_pin
 from . import errors
 from .errors import MeshnetError
 from .gguf_layout import read_layout
-from .pipeline import LocalPipeline, even_ranges
+from .layers import even_ranges
+from .pipeline import LocalPipeline
 
 SCHEMA_VERSION = 1
 N_TOKENS = 32
@@ -189,7 +190,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
             victim_range = ranges[-1]
             session = coordinator.generate(reference[PROMPTS[0]][0], 500, stop_at_eog=False)
             next(iter(session))
-            os.kill(cluster.processes[victim_range].pid, signal.SIGKILL)
+            os.kill(cluster.processes[victim_range.as_tuple()].pid, signal.SIGKILL)
             t0 = time.monotonic()
             error = None
             try:
@@ -198,7 +199,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
                 error = e.to_dict()
             seconds = time.monotonic() - t0
             structured = bool(error) and error.get("code") == errors.STAGE_LOST and \
-                error.get("stage") == f"[{victim_range[0]},{victim_range[1]})" and "elapsed_ms" in error
+                error.get("stage") == victim_range.label and "elapsed_ms" in error
             cluster.spawn_worker(victim_range)
             coordinator.wait_for_route(60, n_stages=len(ranges))
             again = coordinator.generate(reference[PROMPTS[1]][0], N_TOKENS, stop_at_eog=False).result()

@@ -11,6 +11,7 @@ import click
 from . import models
 from . import errors
 from .errors import MeshnetError, exit_status
+from .layers import LayerRange, parse_seams
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -26,25 +27,24 @@ def main():
     """Run one GGUF model across several processes and hosts, a layer range each."""
 
 
-def _parse_layers(text: str) -> tuple[int, int]:
-    try:
-        start, end = (int(x) for x in text.split(":"))
-        return start, end
-    except ValueError:
-        raise click.BadParameter(f"'{text}' is not a layer range A:B")
-
-
-def _parse_split(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"'{text}' is not a comma-separated list of layer numbers")
+def _usage_error(parse):
+    """A click callback: what the command line alone shows is wrong is a usage error (exit
+    status 2); checks that need the model come later, as bad_range (3)."""
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except MeshnetError as e:
+            raise click.BadParameter(e.message) from None
+    return callback
 
 
 @main.command()
 @click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the layers evenly into N stages [default: 2]")
-@click.option("--split", "split", default=None, help="seams, e.g. 15 for [0,15)+[15,n) or 10,20 for three stages")
+@click.option("--split", "split", default=None, callback=_usage_error(parse_seams),
+              help="seams, e.g. 15 for [0,15)+[15,n) or 10,20 for three stages")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True, help="raw text, tokenized as llama.cpp does for the model")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
@@ -54,9 +54,8 @@ def _parse_split(text: str) -> list[int]:
 def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as_json):
     """Generate greedily from PROMPT with the model split into stages (worker processes on this machine)."""
     from .gguf_layout import read_layout
-    from .pipeline import even_ranges, ranges_from_seams
-
     from .engine import utf8_or_error
+    from .layers import even_ranges, ranges_from_seams
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
@@ -65,7 +64,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
         path, sha256 = models.resolve(model)
         layout = read_layout(path)
         ranges = (
-            ranges_from_seams(layout.n_layer, _parse_split(split))
+            ranges_from_seams(layout.n_layer, split)
             if split is not None
             else even_ranges(layout.n_layer, stages or 2)
         )
@@ -83,7 +82,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
     decode = f"{metrics['decode_tok_s']:.1f}" if metrics["decode_tok_s"] else "-"
     hops = f", hop p50 {metrics['hop_us_p50']:.0f} us" if "hop_us_p50" in metrics else ""
     click.echo(
-        f"[{len(ranges)} stages {' '.join(f'[{a},{b})' for a, b in ranges)}"
+        f"[{len(ranges)} stages {' '.join(r.label for r in ranges)}"
         f"{' in-process' if in_process else ' as worker processes'}] "
         f"prompt {metrics['prompt_tokens']} tok, ttft {metrics['ttft_ms']:.0f} ms, "
         f"prefill {metrics['prefill_tok_s']:.1f} tok/s, decode {decode} tok/s{hops}, "
@@ -100,7 +99,8 @@ def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
     from .pipeline import LocalPipeline
 
-    with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
+    # plain tuples until LocalPipeline takes LayerRange (the data-path rewrite)
+    with LocalPipeline(path, [r.as_tuple() for r in ranges], n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
         prompt_tokens = pipe.head.tokenize(prompt)
         _check_context(len(prompt_tokens), max_tokens, n_ctx)
         on_token = (lambda t: stream(pipe.tail.detokenize_bytes([t]))) if stream else None
@@ -141,7 +141,8 @@ class _TextStreamer:
 @main.command()
 @click.option("--coordinator", required=True, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
 @click.option("--model", default=None, help="model name or GGUF path [default: smollm2]")
-@click.option("--layers", required=True, help="the half-open layer range A:B this worker holds")
+@click.option("--layers", required=True, callback=_usage_error(LayerRange.parse),
+              help="the half-open layer range A:B this worker holds, e.g. 0:15")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens per session")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=8, show_default=True)
@@ -154,7 +155,7 @@ def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, 
 
     try:
         path, sha256 = models.resolve(model)
-        config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=_parse_layers(layers),
+        config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads)
         if max_queue is not None:
             config.max_queue = max_queue

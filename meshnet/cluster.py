@@ -22,6 +22,7 @@ from typing import Sequence
 from .coordinator import Coordinator
 from . import errors
 from .errors import MeshnetError
+from .layers import LayerRange
 
 PR_SET_PDEATHSIG = 1
 STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
@@ -89,11 +90,15 @@ def _describe_exit(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+def _layer_range(layers: LayerRange | tuple[int, int]) -> LayerRange:
+    return layers if isinstance(layers, LayerRange) else LayerRange(*layers)
+
+
 class LocalCluster:
     def __init__(
         self,
         model_path: str | Path,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Sequence[LayerRange | tuple[int, int]],
         *,
         threads: int = 0,
         n_ctx: int = 2048,
@@ -105,7 +110,7 @@ class LocalCluster:
         **coordinator_options,
     ):
         self.model_path = str(model_path)
-        self.ranges = list(ranges)
+        self.ranges = [_layer_range(r) for r in ranges]
         self.worker_options = {"threads": threads, "ctx": n_ctx, "max-sessions": max_sessions, "max-queue": max_queue,
                                "heartbeat-interval": heartbeat_interval, "heartbeat-liveness": heartbeat_liveness}
         if heartbeat_interval is not None:
@@ -114,21 +119,24 @@ class LocalCluster:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
         self.coordinator = Coordinator(**coordinator_options)
+        # keyed by the plain (start, end), so a test can say processes[(0, 15)]
         self.processes: dict[tuple[int, int], subprocess.Popen] = {}
         self.stderr_tails: dict[tuple[int, int], StderrTail] = {}
 
-    def spawn_worker(self, layers: tuple[int, int]) -> subprocess.Popen:
+    def spawn_worker(self, layers: LayerRange | tuple[int, int]) -> subprocess.Popen:
+        layers = _layer_range(layers)
+        start, end = layers
         args = [sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", self.coordinator.endpoint,
-                "--model", self.model_path, "--layers", f"{layers[0]}:{layers[1]}"]
+                "--model", self.model_path, "--layers", f"{start}:{end}"]
         for name, value in self.worker_options.items():
             if value is not None:
                 args += [f"--{name}", str(value)]
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_die_with_parent)
-        self.processes[layers] = process
+        self.processes[layers.as_tuple()] = process
         if not self.worker_log:
-            self.stderr_tails[layers] = StderrTail(process.stderr, echo=True)
+            self.stderr_tails[layers.as_tuple()] = StderrTail(process.stderr, echo=True)
         return process
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
@@ -152,7 +160,7 @@ class LocalCluster:
     def _check_children(self, stopped_since: dict) -> None:
         """Raise at once for a child that can no longer join the route."""
         for layers, process in self.processes.items():
-            label = f"[{layers[0]},{layers[1]})"
+            label = LayerRange(*layers).label
             if process.poll() is not None:
                 raise MeshnetError(errors.WORKER_EXITED, f"the worker for layers {label} {_describe_exit(process.returncode)} "
                                    f"before the route formed{self._tail_of(layers)}", stage=label,

@@ -17,6 +17,7 @@ from cffi import FFI
 
 from . import errors
 from .errors import MeshnetError
+from .layers import LayerRange
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
@@ -151,12 +152,14 @@ def utf8_or_error(text: str, what: str) -> bytes:
 
 
 class Stage:
-    """A contiguous layer range [start, end) of a GGUF model; None = the whole model."""
+    """A contiguous layer range [start, end) of a GGUF model; None = the whole model.
+
+    A plain (start, end) is taken too; the engine checks either against the model it loads."""
 
     def __init__(
         self,
         model_path: str | os.PathLike,
-        layers: tuple[int, int] | None = None,
+        layers: LayerRange | tuple[int, int] | None = None,
         *,
         n_ctx: int = 2048,
         max_sessions: int = 4,
@@ -190,6 +193,10 @@ class Stage:
             raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), _ffi.string(err).decode(errors="replace"))
         self._stage = out[0]
         self.info_static = self.info()
+        if isinstance(layers, LayerRange) and layers.n_layer not in (None, self.info_static.n_layer):
+            self.close()
+            raise MeshnetError(errors.BAD_RANGE, f"layers {layers.label} were given for a model of {layers.n_layer} "
+                               f"layers; {model_path} has {self.info_static.n_layer}")
 
     # lifecycle
 

@@ -10,20 +10,31 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import ROUTE_INCOMPLETE, MeshnetError
+from .layers import LayerRange
 
 
 @dataclass(frozen=True)
 class StageOffer:
     worker: str                 # the worker's name
     model_sha256: str
-    start: int
-    end: int
-    n_layer: int
+    layers: LayerRange          # bound to the model: n_layer is known
     compat_class: tuple         # engine pin, backend, wire dtype
 
     @property
+    def start(self) -> int:
+        return self.layers.start
+
+    @property
+    def end(self) -> int:
+        return self.layers.end
+
+    @property
+    def n_layer(self) -> int:
+        return self.layers.n_layer
+
+    @property
     def label(self) -> str:
-        return f"[{self.start},{self.end})"
+        return self.layers.label
 
 
 def offer_from_capability(worker: str, capability: dict) -> StageOffer:
@@ -31,9 +42,7 @@ def offer_from_capability(worker: str, capability: dict) -> StageOffer:
     return StageOffer(
         worker=worker,
         model_sha256=capability["model_sha256"],
-        start=start,
-        end=end,
-        n_layer=capability["n_layer"],
+        layers=LayerRange(start, end, capability["n_layer"]),
         compat_class=(capability["engine_pin"], capability["backend"], capability["wire_dtype"]),
     )
 

@@ -7,7 +7,8 @@ import pytest
 from meshnet.engine import Entry, Stage
 from meshnet.errors import MeshnetError
 from meshnet.gguf_layout import read_layout
-from meshnet.pipeline import LocalPipeline, ranges_from_seams
+from meshnet.layers import ranges_from_seams
+from meshnet.pipeline import LocalPipeline
 
 from conftest import THREADS
 
@@ -19,7 +20,8 @@ def generate(path, seams, prompt=PROMPT, **options):
     layout = read_layout(path)
     options.setdefault("n_threads", THREADS)
     options.setdefault("n_ctx", 256)
-    with LocalPipeline(path, ranges_from_seams(layout.n_layer, seams), **options) as pipe:
+    # plain tuples until LocalPipeline takes LayerRange (the data-path rewrite)
+    with LocalPipeline(path, [r.as_tuple() for r in ranges_from_seams(layout.n_layer, seams)], **options) as pipe:
         tokens = pipe.head.tokenize(prompt)
         return pipe.generate(tokens, N_NEW, keep_logits=True, stop_at_eog=False)
 
@@ -204,7 +206,8 @@ def test_prompt_longer_than_physical_batch_runs_in_chunks_identically(smollm2_pa
     assert max_logit_diff(in_engine, reference) == 0.0
     # the caller sends the prompt in forward calls of 16 tokens
     layout = read_layout(smollm2_path)
-    with LocalPipeline(smollm2_path, ranges_from_seams(layout.n_layer, [15]), n_ctx=512, n_batch=16, n_threads=THREADS) as pipe:
+    halves = [r.as_tuple() for r in ranges_from_seams(layout.n_layer, [15])]  # tuples until LocalPipeline takes LayerRange
+    with LocalPipeline(smollm2_path, halves, n_ctx=512, n_batch=16, n_threads=THREADS) as pipe:
         assert pipe.head.info().n_batch == 16
         chunked = pipe.generate(reference.prompt_tokens, N_NEW, keep_logits=True, stop_at_eog=False, prefill_chunk=16)
     assert chunked.tokens == reference.tokens

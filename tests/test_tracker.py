@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from meshnet.errors import MeshnetError
+from meshnet.layers import LayerRange
 from meshnet.tracker import StageOffer, build_route, offer_from_capability
 
 SHA_A = "a" * 64
@@ -13,7 +14,7 @@ CPU = ("llama.cpp@0c1e57098", "CPU", "f32")
 
 
 def offer(worker, start, end, *, sha=SHA_A, n_layer=30, compat=CPU):
-    return StageOffer(worker=worker, model_sha256=sha, start=start, end=end, n_layer=n_layer, compat_class=compat)
+    return StageOffer(worker=worker, model_sha256=sha, layers=LayerRange(start, end, n_layer), compat_class=compat)
 
 
 def refusal(offers, **kwargs) -> str:
