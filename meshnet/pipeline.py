@@ -1,52 +1,63 @@
-"""Greedy generation through a route of stages held in this process.
+"""Generation through a route of stages held in this process.
 
-The route is a list of layer ranges that cover the model; every session goes through
-the stages in layer order. This is the in-process path of `meshnet run` and the
-reference the worker processes are checked against.
+The route is a list of layer ranges that cover the model. One or several sessions go
+through the stages together: each stage runs every step waiting for it in one forward
+call (batching.py), and each session follows the generation state machine
+(generation.py), the same one the coordinator drives over worker processes. This is
+the in-process path of `meshnet run --in-process` and the reference the worker
+processes are checked against.
 """
 
 from __future__ import annotations
 
-import time
+import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
+from . import errors as E
+from .batching import Step, run_batch, take_batch
 from .engine import Entry, Stage
 from .errors import MeshnetError
-from .metrics import generation_metrics
-
-
-def even_ranges(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    if not 1 <= n_stages <= n_layer:
-        raise MeshnetError("bad_range", f"cannot split {n_layer} layers into {n_stages} stages")
-    bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def ranges_from_seams(n_layer: int, seams: Sequence[int]) -> list[tuple[int, int]]:
-    """Seams [15] -> [(0, 15), (15, n_layer)]; seams must rise strictly inside the model."""
-    bounds = [0, *seams, n_layer]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise MeshnetError("bad_range", f"seams {list(seams)} must rise strictly between 0 and {n_layer}")
-    return list(zip(bounds[:-1], bounds[1:]))
+from .generation import FeedHead, Generation, StopRule, Token
+from .layers import LayerRange
 
 
 @dataclass
-class Generation:
+class Request:
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    keep_logits: bool = False
+    stop_at_eog: bool = True
+    on_token: Callable[[int], None] | None = None
+
+
+@dataclass
+class Completion:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)   # one row per generated token, when kept
-    stop_reason: str = "length"
+    stop_reason: str | None = None
     metrics: dict = field(default_factory=dict)
+    error: MeshnetError | None = None
+
+
+@dataclass
+class _Running:
+    sid: int
+    request: Request
+    gen: Generation
+    completion: Completion
+    seam_bytes: int = 0
 
 
 class LocalPipeline:
     """Stages for consecutive layer ranges, all in this process."""
 
-    def __init__(self, model_path, ranges: Sequence[tuple[int, int]], **stage_options):
-        self.ranges = list(ranges)
+    def __init__(self, model_path, ranges: Sequence[LayerRange | tuple[int, int]], **stage_options):
+        self.ranges = [(int(a), int(b)) for a, b in ranges]
         self.stages: list[Stage] = []
         try:
             for r in self.ranges:
@@ -58,8 +69,8 @@ class LocalPipeline:
         n_layer = self.stages[0].info_static.n_layer
         if self.ranges[0][0] != 0 or self.ranges[-1][1] != n_layer:
             self.close()
-            raise MeshnetError("bad_range", f"ranges {self.ranges} do not cover the model's {n_layer} layers")
-        self.seam_bytes = 0
+            raise MeshnetError(E.BAD_RANGE, f"ranges {self.ranges} do not cover the model's {n_layer} layers")
+        self._sids = itertools.count(1 << 32)   # above the ids a caller of open_session picks
 
     @property
     def head(self) -> Stage:
@@ -79,6 +90,8 @@ class LocalPipeline:
     def __exit__(self, *exc):
         self.close()
 
+    # one step at a time, for callers that drive sessions themselves
+
     def open_session(self, session_id: int) -> None:
         for stage in self.stages:
             stage.open_session(session_id)
@@ -88,62 +101,95 @@ class LocalPipeline:
             stage.release_session(session_id)
 
     def forward(self, entries: Sequence[Entry], want_logits: bool = True):
-        """Run entries (token ids) through every stage; returns the tail's output."""
+        """Entries (token ids) through every stage in one forward call each: the tail's output."""
         out = self.head.forward(entries, want_logits)
         for stage in self.stages[1:]:
             rows, at = [], 0
             for e in entries:
                 rows.append(Entry(e.session_id, e.pos, residual=out.residual[at : at + e.n_tokens]))
                 at += e.n_tokens
-            self.seam_bytes += out.residual.nbytes
             out = stage.forward(rows, want_logits)
         return out
 
-    def generate(
-        self,
-        prompt_tokens: Sequence[int],
-        max_tokens: int,
-        *,
-        session_id: int = 1,
-        keep_logits: bool = False,
-        stop_at_eog: bool = True,
-        prefill_chunk: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-    ) -> Generation:
-        if not prompt_tokens:
-            raise MeshnetError("invalid_argument", "the prompt has no tokens")
-        chunk = prefill_chunk or self.head.info_static.n_batch
-        gen = Generation(prompt_tokens=list(prompt_tokens))
-        seam_bytes_before = self.seam_bytes
-        self.open_session(session_id)
-        try:
-            t0 = time.perf_counter()
-            pos = 0
-            for at in range(0, len(prompt_tokens), chunk):
-                piece = np.asarray(prompt_tokens[at : at + chunk], dtype=np.int32)
-                out = self.forward([Entry(session_id, pos, tokens=piece)], want_logits=keep_logits)
-                pos += len(piece)
-            t_first = time.perf_counter()
-            next_token = int(out.greedy[0])
-            while True:
-                gen.tokens.append(next_token)
-                if keep_logits:
-                    gen.logits.append(out.logits[0].copy())
-                if on_token:
-                    on_token(next_token)
-                if stop_at_eog and self.tail.is_eog(next_token):
-                    gen.stop_reason = "eog"
-                    break
-                if len(gen.tokens) >= max_tokens:
-                    break
-                out = self.forward([Entry(session_id, pos, tokens=np.array([next_token], dtype=np.int32))],
-                                   want_logits=keep_logits)
-                pos += 1
-                next_token = int(out.greedy[0])
-            t_end = time.perf_counter()
-        finally:
-            self.release_session(session_id)
+    # generation
 
-        gen.metrics = generation_metrics(self.ranges, len(prompt_tokens), len(gen.tokens), t0, t_first, t_end,
-                                         self.seam_bytes - seam_bytes_before)
-        return gen
+    def generate(self, prompt_tokens: Sequence[int], max_tokens: int, *, keep_logits: bool = False,
+                 stop_at_eog: bool = True, prefill_chunk: int | None = None,
+                 on_token: Callable[[int], None] | None = None) -> Completion:
+        """One session, greedy; a failure raises its MeshnetError."""
+        done = self.generate_many([Request(prompt_tokens, max_tokens, keep_logits, stop_at_eog, on_token)],
+                                  prefill_chunk=prefill_chunk)[0]
+        if done.error is not None:
+            raise done.error
+        return done
+
+    def generate_many(self, requests: Sequence[Request], prefill_chunk: int | None = None) -> list[Completion]:
+        """Several sessions at once, batched at every stage; each gives exactly what it
+        gives alone. A failing session ends with its error in its Completion and touches
+        no other."""
+        chunk = prefill_chunk or self.head.info_static.n_batch
+        running: list[_Running] = []
+        waiting = [collections.deque() for _ in self.stages]
+        try:
+            for request in requests:
+                gen = Generation(list(request.prompt_tokens), StopRule(request.max_tokens, request.stop_at_eog), chunk)
+                run = _Running(next(self._sids), request, gen, Completion(list(request.prompt_tokens)))
+                for stage in self.stages:
+                    stage.open_session(run.sid)
+                running.append(run)
+            for run in running:
+                self._act(run, run.gen.opened(), waiting)
+            while any(waiting):
+                for k, stage in enumerate(self.stages):
+                    if waiting[k]:
+                        self._run_stage(k, stage, waiting)
+        finally:
+            for run in running:
+                for stage in self.stages:
+                    try:
+                        stage.release_session(run.sid)
+                    except MeshnetError:
+                        pass
+        for run in running:
+            run.completion.stop_reason = run.gen.stop_reason
+            run.completion.metrics = run.gen.metrics(self.ranges, run.seam_bytes)
+        return [run.completion for run in running]
+
+    def _run_stage(self, k: int, stage: Stage, waiting: list[collections.deque]) -> None:
+        info = stage.info_static
+        last = len(self.stages) - 1
+        for result in run_batch(stage, take_batch(waiting[k], info.max_sessions, info.n_batch)):
+            step = result.step
+            run, is_prompt = step.meta
+            if run.gen.done:
+                continue
+            if result.error is not None:
+                run.completion.error = result.error
+                run.gen.failed()
+                for queue in waiting:  # its other steps go nowhere
+                    kept = [s for s in queue if s.meta[0] is not run]
+                    queue.clear()
+                    queue.extend(kept)
+                continue
+            if k == 0 and is_prompt:
+                self._act(run, run.gen.head_took(step.pos, step.n), waiting)
+            if k < last:
+                run.seam_bytes += result.residual.nbytes
+                waiting[k + 1].append(Step(step.sid, step.pos, step.n, residual=result.residual,
+                                           want_logits=k + 1 == last and run.request.keep_logits, meta=step.meta))
+            else:
+                if result.logits is not None and step.pos + step.n >= len(run.gen.prompt):
+                    run.completion.logits.append(result.logits.copy())
+                actions = run.gen.tail_gave(step.pos, step.n, result.token, stage.is_eog(result.token))
+                self._act(run, actions, waiting)
+
+    def _act(self, run: _Running, actions: list, waiting: list[collections.deque]) -> None:
+        for action in actions:
+            if isinstance(action, FeedHead):
+                waiting[0].append(Step(run.sid, action.pos, len(action.tokens), tokens=np.asarray(action.tokens, np.int32),
+                                       want_logits=len(self.stages) == 1 and run.request.keep_logits,
+                                       meta=(run, action.prompt)))
+            elif isinstance(action, Token):
+                run.completion.tokens.append(action.token)
+                if run.request.on_token:
+                    run.request.on_token(action.token)

@@ -20,8 +20,7 @@ def generate(path, seams, prompt=PROMPT, **options):
     layout = read_layout(path)
     options.setdefault("n_threads", THREADS)
     options.setdefault("n_ctx", 256)
-    # plain tuples until LocalPipeline takes LayerRange (the data-path rewrite)
-    with LocalPipeline(path, [r.as_tuple() for r in ranges_from_seams(layout.n_layer, seams)], **options) as pipe:
+    with LocalPipeline(path, ranges_from_seams(layout.n_layer, seams), **options) as pipe:
         tokens = pipe.head.tokenize(prompt)
         return pipe.generate(tokens, N_NEW, keep_logits=True, stop_at_eog=False)
 
@@ -104,7 +103,7 @@ def _step(pipe, session, pos, tokens):
 def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path):
     prompts = ["Once upon a time", "The recipe for bread needs flour, water and"]
     with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=2, n_threads=THREADS) as pipe:
-        alone = [pipe.generate(pipe.head.tokenize(p), 12, stop_at_eog=False, session_id=7) for p in prompts]
+        alone = [pipe.generate(pipe.head.tokenize(p), 12, stop_at_eog=False) for p in prompts]
 
         sessions = {1: pipe.head.tokenize(prompts[0]), 2: pipe.head.tokenize(prompts[1])}
         got = {1: [], 2: []}
@@ -139,7 +138,7 @@ def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path
 def test_sessions_batched_in_one_forward_call_match_each_alone(smollm2_path):
     prompts = ["Once upon a time", "The recipe for bread needs", "In 1969 the first man", "Python is a"]
     with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=4, n_threads=THREADS) as pipe:
-        alone = [pipe.generate(pipe.head.tokenize(p), 10, stop_at_eog=False, keep_logits=True, session_id=9) for p in prompts]
+        alone = [pipe.generate(pipe.head.tokenize(p), 10, stop_at_eog=False, keep_logits=True) for p in prompts]
         prompt_tokens = [pipe.head.tokenize(p) for p in prompts]
         for sid in range(4):
             pipe.open_session(sid)
@@ -206,7 +205,7 @@ def test_prompt_longer_than_physical_batch_runs_in_chunks_identically(smollm2_pa
     assert max_logit_diff(in_engine, reference) == 0.0
     # the caller sends the prompt in forward calls of 16 tokens
     layout = read_layout(smollm2_path)
-    halves = [r.as_tuple() for r in ranges_from_seams(layout.n_layer, [15])]  # tuples until LocalPipeline takes LayerRange
+    halves = ranges_from_seams(layout.n_layer, [15])  # tuples until LocalPipeline takes LayerRange
     with LocalPipeline(smollm2_path, halves, n_ctx=512, n_batch=16, n_threads=THREADS) as pipe:
         assert pipe.head.info().n_batch == 16
         chunked = pipe.generate(reference.prompt_tokens, N_NEW, keep_logits=True, stop_at_eog=False, prefill_chunk=16)

@@ -1,0 +1,164 @@
+"""Generation, defined once, with no I/O (as h11 defines HTTP): prompt chunks, the
+pipelining rule, decode steps, the stop rule and the timings of one session.
+
+A driver feeds it events and carries out the actions it returns:
+
+    opened()                          -> [FeedHead(first prompt chunk)]
+    head_took(pos, n)                 -> [FeedHead(next chunk)] while the prompt lasts
+    tail_gave(pos, n, token, is_eog)  -> [] for a prompt chunk before the last, else
+                                         [Token(t), FeedHead(decode step) | Finish(reason)]
+    failed()                          -> [Finish("error")]
+
+The pipelining rule: chunk k+1 enters the head as soon as the head has taken chunk k,
+so that the head reads the prompt while later stages work on what it already read.
+On a ring (workers), the tail itself sends each decode step to the head: the driver
+at the coordinator then gets no FeedHead for decode steps (`tail_feeds_head`), and the
+tail decides to go on with the same StopRule, so both ends agree on the last token.
+The in-process pipeline and the coordinator both drive this class; tests drive it with
+plain data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from . import errors as E
+from .errors import MeshnetError
+from .metrics import generation_metrics
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a session ends: at an end-of-generation token (unless told to go on), or at
+    max_tokens generated tokens."""
+
+    max_tokens: int
+    stop_at_eog: bool = True
+
+    def reason(self, n_generated: int, is_eog: bool) -> str | None:
+        if self.stop_at_eog and is_eog:
+            return "eog"
+        if n_generated >= self.max_tokens:
+            return "length"
+        return None
+
+
+# actions
+
+
+@dataclass(frozen=True)
+class FeedHead:
+    """Give the head stage these token ids at this position; a prompt chunk (`prompt`)
+    is reported back by head_took once the head has taken it."""
+
+    pos: int
+    tokens: tuple[int, ...]
+    prompt: bool
+
+
+@dataclass(frozen=True)
+class Token:
+    token: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str   # eog | length | error
+
+
+Action = FeedHead | Token | Finish
+
+
+@dataclass
+class Generation:
+    prompt: Sequence[int]
+    rule: StopRule
+    chunk: int
+    tail_feeds_head: bool = False
+    clock: Callable[[], float] = time.perf_counter
+    tokens: list[int] = field(default_factory=list)
+    state: str = "opening"            # opening | prefill | decode | done
+    stop_reason: str | None = None
+    prompt_fed: int = 0               # prompt tokens handed to the head so far
+    t_start: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise MeshnetError(E.INVALID_ARGUMENT, "the prompt has no tokens")
+        if self.rule.max_tokens < 1:
+            raise MeshnetError(E.INVALID_ARGUMENT, "max_tokens must be at least 1")
+        if self.chunk < 1:
+            raise MeshnetError(E.INVALID_ARGUMENT, "a prompt chunk holds at least one token")
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def opened(self) -> list[Action]:
+        self._expect("opening")
+        self.state = "prefill"
+        self.t_start = self.clock()
+        return [self._next_chunk()]
+
+    def head_took(self, pos: int, n: int) -> list[Action]:
+        """The head has taken the prompt chunk at pos: the next one may enter it."""
+        if self.state != "prefill" or pos + n != self.prompt_fed or self.prompt_fed >= len(self.prompt):
+            return []  # a decode step, or the last chunk: nothing more to feed
+        return [self._next_chunk()]
+
+    def tail_gave(self, pos: int, n: int, token: int, is_eog: bool) -> list[Action]:
+        """The tail has computed rows [pos, pos + n) and their greedy next token."""
+        if self.state == "done":
+            return []
+        if pos + n < len(self.prompt):
+            return []  # a prompt chunk before the last: its token predicts a prompt token
+        self._expect("prefill", "decode")
+        if self.state == "prefill":
+            self.state = "decode"
+            self.t_first = self.clock()
+        self.tokens.append(token)
+        reason = self.rule.reason(len(self.tokens), is_eog)
+        if reason is not None:
+            return [Token(token), *self._finish(reason)]
+        if self.tail_feeds_head:
+            return [Token(token)]
+        return [Token(token), FeedHead(pos + n, (token,), prompt=False)]
+
+    def failed(self) -> list[Action]:
+        return [] if self.done else self._finish("error")
+
+    def metrics(self, ranges, seam_bytes: int) -> dict:
+        t_end = self.t_end if self.t_end is not None else self.clock()
+        t_start = self.t_start if self.t_start is not None else t_end
+        return generation_metrics(ranges, len(self.prompt), len(self.tokens), t_start,
+                                  self.t_first if self.t_first is not None else t_end, t_end, seam_bytes)
+
+    # internals
+
+    def _next_chunk(self) -> FeedHead:
+        at = self.prompt_fed
+        piece = tuple(self.prompt[at : at + self.chunk])
+        self.prompt_fed += len(piece)
+        return FeedHead(at, piece, prompt=True)
+
+    def _finish(self, reason: str) -> list[Action]:
+        self.state = "done"
+        self.stop_reason = reason
+        self.t_end = self.clock()
+        return [Finish(reason)]
+
+    def _expect(self, *states: str) -> None:
+        if self.state not in states:
+            raise MeshnetError(E.INTERNAL, f"generation got an event for state {'/'.join(states)} in state {self.state}")
+
+
+def tail_step(prompt_len: int, rule: StopRule, n_generated: int, pos: int, n: int, is_eog: bool) -> tuple[bool, bool]:
+    """What the tail of a ring does with rows [pos, pos + n): (is a token, feed it to the
+    head). The same rule as Generation.tail_gave, for a stage that holds no prompt."""
+    if pos + n < prompt_len:
+        return False, False
+    return True, rule.reason(n_generated + 1, is_eog) is None
