@@ -200,7 +200,7 @@ class LocalCluster:
         self.coordinator.close()
 
     def __enter__(self):
-        return self.start()
+        return self if self.processes else self.start()   # started already: `with cluster.start() as c`
 
     def __exit__(self, *exc):
         self.close()

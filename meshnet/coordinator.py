@@ -1,12 +1,15 @@
 """The coordinator: a ROUTER socket, the registry of stage workers, and every
-session's path through them.
+session's route through them.
 
-One I/O thread owns the socket and all state; callers on other threads talk to it
+One I/O thread owns the sockets and all state; callers on other threads talk to it
 through a command queue (woken by a pipe) and get answers through futures and
-per-session event queues. A session goes coordinator -> head -> coordinator -> next
-stage ... -> tail -> coordinator; the residual frame a stage returns is sent on to
-the next stage as it is (no copy). The prompt is sent in bounded chunks, pipelined:
-chunk k+1 enters the head while chunk k is in the next stage.
+per-session event queues. At open the coordinator gives each stage of a session its
+next hop and the session's key; from then on activations go head -> ... -> tail
+directly, and the tail sends each token here and, in decode, the next step straight
+back to the head (a ring): the coordinator is off the per-token path. It feeds the
+prompt to the head in bounded chunks (chunk k+1 once the head took chunk k) and
+follows each session with the generation state machine (generation.py), whose stop
+rule the tail applies too.
 
 A worker that stops answering heartbeats, or says goodbye, is lost: every session
 that touches it ends with a structured `stage_lost` error within the heartbeat bound,
@@ -32,10 +35,12 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from . import errors as E
 from .engine import utf8_or_error
 from .errors import MeshnetError
+from .generation import FeedHead, Finish, Generation, StopRule, Token
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
-from .metrics import generation_metrics, percentiles
+from .metrics import percentiles
 from .tracker import StageOffer, build_route, offer_from_capability
 
 log = logging.getLogger("meshnet.coordinator")
@@ -45,6 +50,7 @@ REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
 SOCKET_HWM = 10_000            # ZeroMQ high-water mark, messages
 MAX_PAYLOAD = 32 << 20         # largest payload accepted from a worker: 512 rows of an 16k-wide model fit
 MAX_FRAMES = 3                 # a peer's identity, a header and at most one payload
+DATA_HWM = 10_000              # ZeroMQ high-water mark of the data sockets, messages
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
 CLOCK_PERIOD = 0.01            # seconds between checks of heartbeats, liveness and deadlines
 
@@ -66,15 +72,13 @@ class WorkerRecord:
 
 @dataclass
 class Pending:
-    kind: str                    # open | forward | release | cancel | query
+    kind: str                    # open | release | cancel | query
     sid: int | None
     worker: bytes
     stage: int
     sent_ns: int
     deadline: float
     future: Future | None = None
-    pos: int = 0
-    n: int = 0
 
 
 @dataclass
@@ -87,26 +91,24 @@ class TokenEvent:
 @dataclass
 class Session:
     sid: int
+    key: int                      # drawn here, given only to the session's stages: data messages carry it
     route: list[WorkerRecord]
-    prompt: list[int]
-    max_tokens: int
+    gen: Generation
     want_logits: bool
-    stop_at_eog: bool
-    chunk: int
     events: queue.Queue
-    prompt_sent: int = 0          # prompt tokens handed to the head so far
-    tokens: list[int] = field(default_factory=list)
+    deadline: float               # the next event (open, prompt chunk taken, token) is due by then
     finished: bool = False
-    t_start: float = 0.0
-    t_first: float | None = None
-    hops_us: list[float] = field(default_factory=list)
-    compute_us: list[list[int]] = field(init=False)   # per stage
-    opens_waiting: int = field(init=False)             # stages yet to confirm the session is open
+    waiting_on: int | None = None  # the stage the session waits on, when known (the head, for a chunk)
+    opens_waiting: int = field(init=False)   # stages yet to confirm the session is open
+    hops_us: list[list[int]] = field(init=False)   # per seam
     seam_bytes: int = 0
+    decode_seam_bytes: int = 0    # what crossed the seams for decode steps (after the first token)
+    decode_crossings: int = 0
+    suspect: tuple[MeshnetError, float] | None = None  # a stage could not pass it on: the error, unless a loss explains it by then
 
     def __post_init__(self):
         self.opens_waiting = len(self.route)
-        self.compute_us = [[] for _ in self.route]
+        self.hops_us = [[] for _ in self.route[1:]]
 
     def label(self, stage: int) -> str:
         return self.route[stage].offer.label
@@ -167,6 +169,7 @@ class Coordinator:
         prefill_chunk: int = PREFILL_CHUNK,
         request_timeout: float = REQUEST_TIMEOUT,
         max_payload: int = MAX_PAYLOAD,
+        data_bind: str | None = None,
     ):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
@@ -196,6 +199,21 @@ class Coordinator:
             raise MeshnetError("bad_address", f"cannot listen on {bind!r}: {e.strerror}; an address looks like "
                                "tcp://127.0.0.1:5555") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # the data plane: tokens and "chunk taken" from the stages come to this PULL,
+        # bound on the control socket's host; prompt chunks go out on a PUSH per head
+        self.data = self.ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.RCVHWM, DATA_HWM)
+        self.data.setsockopt(zmq.MAXMSGSIZE, 2 * max_payload)
+        try:
+            self.data.bind(data_bind or _same_host(self.endpoint))
+        except zmq.ZMQError as e:
+            self.data.close(linger=0)
+            self.router.close(linger=0)
+            self.ctx.term()
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
+        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pushes: dict[str, zmq.Socket] = {}
 
         self.workers: dict[bytes, WorkerRecord] = {}
         self.sessions: dict[int, Session] = {}
@@ -226,6 +244,9 @@ class Coordinator:
             self._running = False
             os.write(self._wake_w, b"x")
             self._thread.join(timeout=5)
+            for sock in self.pushes.values():
+                sock.close(linger=0)
+            self.data.close(linger=0)
             self.router.close(linger=0)
             self.ctx.term()
             os.close(self._wake_r)
@@ -248,7 +269,7 @@ class Coordinator:
                 route = self.route()
                 if n_stages is None or len(route) == n_stages:
                     return route
-                error = MeshnetError(P.E_ROUTE, f"route has {len(route)} stages, waiting for {n_stages}")
+                error = MeshnetError(E.ROUTE_INCOMPLETE, f"route has {len(route)} stages, waiting for {n_stages}")
             except MeshnetError as e:
                 error = e
             if time.monotonic() > deadline:
@@ -262,15 +283,12 @@ class Coordinator:
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
                  stop_at_eog: bool = True, prefill_chunk: int | None = None) -> SessionHandle:
-        if not prompt_tokens:
-            raise MeshnetError("invalid_argument", "the prompt has no tokens")
-        if max_tokens < 1:
-            raise MeshnetError("invalid_argument", "max_tokens must be at least 1")
+        gen = Generation(list(prompt_tokens), StopRule(max_tokens, stop_at_eog), prefill_chunk or self.prefill_chunk,
+                         tail_feeds_head=True)   # checks the request before anything starts
         sid = next(self._sids)
         events: queue.Queue = queue.Queue()
-        chunk = prefill_chunk or self.prefill_chunk
-        self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, list(prompt_tokens),
-                                             max_tokens, want_logits, stop_at_eog, chunk, events, sid=sid, events=events))
+        self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, gen, want_logits, events,
+                                             sid=sid, events=events))
         return SessionHandle(self, sid, events)
 
     def cancel(self, sid: int) -> None:
@@ -348,6 +366,7 @@ class Coordinator:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         pacer = Pacer(self.heartbeat_interval)
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
@@ -360,6 +379,11 @@ class Coordinator:
                         self._receive()
                         if not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
+                if self.data in events:
+                    for _ in range(RECV_BATCH):
+                        self._receive_data()
+                        if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            break
                 if self._wake_r in events:
                     self._run_commands()
                 # heartbeats, liveness and deadlines work at heartbeat scale, not per message
@@ -371,6 +395,7 @@ class Coordinator:
                     for w in [w for w in self.workers.values() if w.liveness.dead()]:
                         self._guarded("losing a silent worker", self._lose_worker, w, "stopped answering heartbeats")
                     self._expire_requests()
+                    self._expire_sessions()
             except Exception:  # the last line of defence: a bug must not stop every session
                 self.counters["internal_errors"] += 1
                 log.exception("coordinator: unexpected error in the I/O loop; it goes on")
@@ -401,7 +426,7 @@ class Coordinator:
         if why is not None:
             self.counters["bad_messages"] += 1
             if frames:
-                self._send(frames[0].bytes, P.error_frames(None, P.E_OVERSIZED, why))
+                self._send(frames[0].bytes, P.error_frames(None, E.OVERSIZED, why))
             return
         if len(frames) < 2:
             return  # an identity with no message: nothing to answer
@@ -449,10 +474,10 @@ class Coordinator:
             self._register(identity, msg)
             return
         if worker is None:
-            if msg.type in (P.HEARTBEAT, P.OK, P.RESULT, P.ERROR):
+            if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
                 self._send(identity, P.encode(P.DISCONNECT, 0))  # a worker we forgot: announce again
             elif msg.type != P.GOODBYE:
-                self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
+                self._send(identity, P.error_frames(msg.rid, E.UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
             return
         worker.liveness.heard()
         if msg.type == P.HEARTBEAT:
@@ -460,8 +485,12 @@ class Coordinator:
         if msg.type == P.GOODBYE:
             self._lose_worker(worker, "said goodbye")
             return
-        if msg.type in (P.OK, P.RESULT, P.ERROR):
+        if msg.type in (P.OK, P.ERROR):
             pending = self.pending.get(msg.rid)
+            if pending is None and msg.type == P.ERROR and msg.rid == 0 and msg.get("sid") is not None:
+                self._guarded("a stage's report of a failed session", self._on_session_error, worker, msg,
+                              sid=msg["sid"])
+                return
             if pending is None or pending.worker != identity:
                 self.counters["late_replies"] += 1  # for a session that already ended
                 return
@@ -471,7 +500,7 @@ class Coordinator:
                 worker.errors[msg["code"]] += 1
             self._guarded(f"the reply to a {pending.kind}", self._on_reply, worker, pending, msg, sid=pending.sid)
             return
-        self._send(identity, P.error_frames(msg.rid, P.E_UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
+        self._send(identity, P.error_frames(msg.rid, E.UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
 
     def _register(self, identity: bytes, msg: P.Message) -> None:
         capability = msg["capability"]  # checked field by field in protocol.decode
@@ -498,14 +527,14 @@ class Coordinator:
         for rid in [rid for rid, p in self.pending.items() if p.worker == worker.identity]:
             pending = self.pending.pop(rid)
             if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(MeshnetError(P.E_STAGE_LOST, f"worker {worker.name} {reason}",
+                pending.future.set_exception(MeshnetError(E.STAGE_LOST, f"worker {worker.name} {reason}",
                                                           stage=worker.offer.label, worker=worker.name))
         for sid in list(worker.sessions):
             session = self.sessions.get(sid)
             if session is not None:
                 stage = next(i for i, w in enumerate(session.route) if w is worker)
                 self._fail(session, MeshnetError(
-                    P.E_STAGE_LOST, f"stage {worker.offer.label} (worker {worker.name}) {reason}",
+                    E.STAGE_LOST, f"stage {worker.offer.label} (worker {worker.name}) {reason}",
                     stage=worker.offer.label, worker=worker.name, session=sid, elapsed_ms=elapsed_ms),
                     skip_stage=stage)
 
@@ -518,7 +547,7 @@ class Coordinator:
         if not self._send(worker.identity, P.encode(msg_type, rid, payload=payload, **fields)):
             self.pending.pop(rid, None)
             if pending.future is not None and not pending.future.done():
-                pending.future.set_exception(MeshnetError(P.E_STAGE_LOST, f"cannot reach worker {worker.name}"))
+                pending.future.set_exception(MeshnetError(E.STAGE_LOST, f"cannot reach worker {worker.name}"))
         return rid
 
     def _query(self, worker: WorkerRecord, msg_type: str, fields: dict) -> Future:
@@ -539,12 +568,12 @@ class Coordinator:
     def _expire(self, pending: Pending) -> None:
         worker = self.workers.get(pending.worker)
         where = f"stage {worker.offer.label} (worker {worker.name})" if worker else "a worker that has since gone"
-        error = MeshnetError(P.E_DEADLINE, f"no answer from {where} within {self.request_timeout:.0f} s")
+        error = MeshnetError(E.DEADLINE_EXCEEDED, f"no answer from {where} within {self.request_timeout:.0f} s")
         if pending.future is not None and not pending.future.done():
             pending.future.set_exception(error)
         session = self.sessions.get(pending.sid) if pending.sid is not None else None
-        if session is not None and not session.finished and pending.kind in ("open", "forward"):
-            self._fail(session, MeshnetError(P.E_DEADLINE, error.message, stage=session.label(pending.stage),
+        if session is not None and not session.finished and pending.kind == "open":
+            self._fail(session, MeshnetError(E.DEADLINE_EXCEEDED, error.message, stage=session.label(pending.stage),
                                              session=session.sid), cancel=True)
 
     def _on_reply(self, worker: WorkerRecord, pending: Pending, msg: P.Message) -> None:
@@ -564,18 +593,23 @@ class Coordinator:
         if pending.kind == "open":
             session.opens_waiting -= 1
             if session.opens_waiting == 0:
-                self._send_prompt_chunk(session)
+                self._act(session, session.gen.opened())
+
+    def _on_session_error(self, worker: WorkerRecord, msg: P.Message) -> None:
+        """A stage says a session failed on its data plane. Only a stage of that session
+        can end it; a stage that could not pass it on may be seeing a peer that just died:
+        the heartbeats get one liveness window to name the lost stage first."""
+        session = self.sessions.get(msg["sid"])
+        if session is None or session.finished or worker not in session.route:
+            self.counters["late_replies"] += 1
             return
-        if msg.type != P.RESULT:
-            self._fail(session, MeshnetError("internal", f"stage {worker.offer.label} answered a forward with {msg.type}",
-                                             session=session.sid), cancel=True)
+        error = MeshnetError(msg["code"], msg["message"], stage=worker.offer.label, worker=worker.name,
+                             session=session.sid)
+        if msg["code"] == E.HOP_UNREACHABLE:
+            if session.suspect is None:
+                session.suspect = (error, now() + self.heartbeat_interval * self.heartbeat_liveness)
             return
-        rtt_us = (time.perf_counter_ns() - pending.sent_ns) / 1000
-        hop_us = max(0.0, rtt_us - msg.get("worker_us", msg.get("compute_us", 0)))
-        worker.hops_us.append(hop_us)
-        session.hops_us.append(hop_us)
-        session.compute_us[pending.stage].append(msg.get("compute_us", 0))
-        self._on_forward_result(session, pending, msg)
+        self._fail(session, error, cancel=True)
 
     # ---- sessions ---------------------------------------------------------------------
 
@@ -587,87 +621,143 @@ class Coordinator:
     def _route_offers(self) -> list[StageOffer]:
         return [w.offer for w in self._route()]
 
-    def _start_session(self, sid, prompt, max_tokens, want_logits, stop_at_eog, chunk, events) -> None:
+    def _start_session(self, sid: int, gen: Generation, want_logits: bool, events: queue.Queue) -> None:
         try:
             route = self._route()
         except MeshnetError as e:
             events.put(("error", MeshnetError(e.code, e.message, session=sid)))
             return
         n_ctx = min(w.capability["n_ctx"] for w in route)
-        if len(prompt) + max_tokens > n_ctx:
-            events.put(("error", MeshnetError("context_full", f"{len(prompt)} prompt + {max_tokens} new tokens exceed "
-                                              f"the route's context of {n_ctx}", session=sid)))
+        if len(gen.prompt) + gen.rule.max_tokens > n_ctx:
+            events.put(("error", MeshnetError(E.CONTEXT_FULL, f"{len(gen.prompt)} prompt + {gen.rule.max_tokens} new "
+                                              f"tokens exceed the route's context of {n_ctx}", session=sid)))
             return
-        session = Session(sid, route, prompt, max_tokens, want_logits, stop_at_eog,
-                          min(chunk, *(w.capability["n_batch"] for w in route)), events, t_start=time.perf_counter())
+        gen.chunk = min(gen.chunk, *(w.capability["n_batch"] for w in route))
+        session = Session(sid, secrets.randbits(63), route, gen, want_logits, events, now() + self.request_timeout)
         self.sessions[sid] = session
+        last = len(route) - 1
         for i, worker in enumerate(route):
             worker.sessions.add(sid)
-            self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout), sid=sid)
+            self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout),
+                          sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability["data_endpoint"],
+                          reply=self.data_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens,
+                          stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and want_logits else None,
+                          hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"])
 
-    def _forward(self, session: Session, stage: int, pos: int, n: int, tokens=None, payload=None) -> None:
-        worker = session.route[stage]
-        if payload is not None:  # a residual crossing the seam into this stage
-            worker.seam_bytes += len(payload)
-            session.seam_bytes += len(payload)
-        last = stage == len(session.route) - 1
-        self._request(worker, P.FORWARD,
-                      Pending("forward", session.sid, worker.identity, stage, 0, now() + self.request_timeout, pos=pos, n=n),
-                      payload=payload, sid=session.sid, pos=pos, n=n, tokens=tokens,
-                      shape=None if payload is None else [n, worker.capability["n_embd"]],
-                      dtype=None if payload is None else "f32",
-                      logits=True if last and session.want_logits else None,
-                      deadline_ms=int(self.request_timeout * 1000))
+    def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
+        """Carry out what the session's generation asks for."""
+        for action in actions:
+            if isinstance(action, FeedHead):
+                head = session.route[0]
+                frames = P.encode(P.ACT, 0, sid=session.sid, key=session.key, pos=action.pos, n=len(action.tokens),
+                                  tokens=list(action.tokens), ack=action.prompt)
+                if not self._push(head.capability["data_endpoint"], frames):
+                    self._fail(session, MeshnetError(E.HOP_UNREACHABLE, f"cannot pass the prompt to stage "
+                                                     f"{head.offer.label} (worker {head.name})", stage=head.offer.label,
+                                                     session=session.sid), cancel=True)
+                    return
+                session.waiting_on = 0 if action.prompt else None
+            elif isinstance(action, Token):
+                session.events.put(("token", TokenEvent(action.token, piece, logits)))
+            elif isinstance(action, Finish) and action.reason != "error":
+                self._finish(session, action.reason)
 
-    def _send_prompt_chunk(self, session: Session) -> None:
-        at = session.prompt_sent
-        piece = session.prompt[at : at + session.chunk]
-        session.prompt_sent += len(piece)
-        self._forward(session, 0, at, len(piece), tokens=piece)
+    def _push(self, endpoint: str, frames: list) -> bool:
+        sock = self.pushes.get(endpoint)
+        if sock is None:
+            sock = self.pushes[endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, DATA_HWM)
+            sock.connect(endpoint)
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
-    def _on_forward_result(self, session: Session, pending: Pending, msg: P.Message) -> None:
-        stage, last = pending.stage, len(session.route) - 1
-        if stage < last:
-            if msg.payload is None:
-                self._fail(session, MeshnetError("bad_payload", f"stage {session.label(stage)} returned no residual",
-                                                 session=session.sid), cancel=True)
-                return
-            self._forward(session, stage + 1, pending.pos, pending.n, payload=msg.payload)
-            if stage == 0 and session.prompt_sent < len(session.prompt) and pending.pos + pending.n == session.prompt_sent:
-                self._send_prompt_chunk(session)
+    def _receive_data(self) -> None:
+        frames, why = P.recv_frames(self.data, 2, self.max_message_bytes)
+        if why is not None:
+            self.counters["dropped_oversized"] += 1
             return
-        if pending.pos + pending.n < len(session.prompt):
-            if len(session.route) == 1:  # a one-stage route has no seam to pipeline through
-                self._send_prompt_chunk(session)
-            return  # a prompt chunk other than the last: no token yet
-        token = msg.get("token")
-        if token is None:
-            self._fail(session, MeshnetError("bad_payload", "the tail returned no token", session=session.sid), cancel=True)
+        self._guarded("handling a data message", self._on_data, frames)
+
+    def _on_data(self, frames: list) -> None:
+        """A stage's "chunk taken" or token. Anything that does not name a live session
+        with its key is dropped and counted: a PULL has no one to answer."""
+        try:
+            msg = P.decode(frames, self.max_payload)
+        except P.ProtocolError as e:
+            self.counters[f"dropped_{e.code}"] += 1
             return
+        session = self.sessions.get(msg.get("sid"))
+        if msg.type not in (P.TOOK, P.TOKEN):
+            self.counters["dropped_unknown_type"] += 1
+            return
+        if session is None or session.finished:
+            self.counters["dropped_late"] += 1
+            return
+        if session.key != msg["key"]:
+            self.counters["dropped_bad_key"] += 1
+            return
+        session.deadline = now() + self.request_timeout
+        if msg.type == P.TOOK:
+            self._act(session, session.gen.head_took(msg["pos"], msg["n"]))
+            if session.gen.prompt_fed >= len(session.gen.prompt):
+                session.waiting_on = None   # the rest of the prompt is in the stages after the head
+            return
+        decoding = session.gen.state == "decode"
+        for seam, hop_us, nbytes in msg.get("seams", ()):
+            if seam < len(session.hops_us):
+                session.seam_bytes += nbytes
+                if decoding:
+                    session.decode_seam_bytes += nbytes
+                    session.decode_crossings += 1
+                stage = session.route[seam + 1]
+                stage.seam_bytes += nbytes
+                if hop_us >= 0:
+                    session.hops_us[seam].append(hop_us)
+                    stage.hops_us.append(hop_us)
         logits = None
         if session.want_logits and msg.payload is not None:
             logits = np.frombuffer(msg.payload, dtype="<f4").copy()
-        if session.t_first is None:
-            session.t_first = time.perf_counter()
-        session.tokens.append(token)
-        session.events.put(("token", TokenEvent(token, msg.get("piece", b""), logits)))
-        if session.stop_at_eog and msg.get("eog"):
-            self._finish(session, "eog")
-        elif len(session.tokens) >= session.max_tokens:
-            self._finish(session, "length")
+        self._act(session, session.gen.tail_gave(msg["pos"], msg["n"], msg["token"], msg["eog"]),
+                  piece=msg.get("piece", b""), logits=logits)
+
+    def _expire_sessions(self) -> None:
+        t = now()
+        for session in [s for s in self.sessions.values() if s.deadline < t or (s.suspect and s.suspect[1] < t)]:
+            self._guarded("expiring a session", self._expire_session, session, sid=session.sid)
+
+    def _expire_session(self, session: Session) -> None:
+        if session.finished:
+            return
+        if session.suspect is not None and session.suspect[1] < now():
+            self._fail(session, session.suspect[0], cancel=True)
+            return
+        if session.opens_waiting:
+            return  # its OPEN requests have their own deadlines
+        if session.waiting_on is not None:
+            where = session.label(session.waiting_on)
+            what = f"stage {where} (worker {session.route[session.waiting_on].name}) did not take the prompt chunk"
         else:
-            self._forward(session, 0, len(session.prompt) + len(session.tokens) - 1, 1, tokens=[token])
+            where = f"[0,{session.route[-1].offer.end})"
+            what = f"the route {' '.join(w.offer.label for w in session.route)} gave no token"
+        self._fail(session, MeshnetError(E.DEADLINE_EXCEEDED, f"{what} within {self.request_timeout:g} s",
+                                         stage=where, session=session.sid), cancel=True)
 
     def _metrics(self, session: Session) -> dict:
-        t_end = time.perf_counter()
-        hops = percentiles(session.hops_us or [0.0])
+        every_hop = [h for seam in session.hops_us for h in seam]
+        hops = percentiles(every_hop)
+        per_seam_step = max(len(session.gen.tokens) - 1, 0) * len(session.hops_us)
         return {
-            **generation_metrics([(w.offer.start, w.offer.end) for w in session.route], len(session.prompt),
-                                 len(session.tokens), session.t_start, session.t_first or t_end, t_end,
-                                 session.seam_bytes),
+            **session.gen.metrics([(w.offer.start, w.offer.end) for w in session.route], session.seam_bytes),
             "hop_us_p50": hops["p50"],
             "hop_us_p99": hops["p99"],
-            "stage_compute_us_p50": [float(np.median(c)) if c else None for c in session.compute_us],
+            "seam_hop_us_p50": [percentiles(seam)["p50"] for seam in session.hops_us],
+            "seam_crossings": [len(seam) for seam in session.hops_us],
+            "decode_seam_bytes_per_token": session.decode_seam_bytes / per_seam_step if per_seam_step else None,
+            "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
         }
 
     def _end(self, session: Session, skip_stage: int | None, message_type: str) -> None:
@@ -690,6 +780,7 @@ class Coordinator:
     def _fail(self, session: Session, error: MeshnetError, skip_stage: int | None = None, cancel: bool = False) -> None:
         if session.finished:
             return
+        session.gen.failed()
         self.counters[f"failed_{error.code}"] += 1
         self._end(session, skip_stage, P.CANCEL if cancel else P.RELEASE)
         session.events.put(("error", error))
@@ -697,4 +788,12 @@ class Coordinator:
     def _cancel_session(self, sid: int) -> None:
         session = self.sessions.get(sid)
         if session is not None and not session.finished:
-            self._fail(session, MeshnetError(P.E_CANCELLED, f"session {sid} was cancelled", session=sid), cancel=True)
+            self._fail(session, MeshnetError(E.CANCELLED, f"session {sid} was cancelled", session=sid), cancel=True)
+
+
+def _same_host(endpoint: str) -> str:
+    """tcp://host:port -> tcp://host:0 (a free port on the same interface)."""
+    if not endpoint.startswith("tcp://"):
+        raise MeshnetError(E.BAD_ADDRESS, f"the coordinator needs a tcp:// address to serve the data plane, "
+                           f"not {endpoint!r}")
+    return endpoint.rsplit(":", 1)[0] + ":0"

@@ -1,9 +1,16 @@
-"""The coordinator <-> worker protocol: every message, in one place.
+"""The protocol: every message, in one place, on both planes.
+
+Control (coordinator ROUTER <-> worker DEALER): heartbeats, open/release/cancel, health,
+text. Data (PUSH -> a peer's bound PULL): activations from stage to stage, the tail's
+tokens to the coordinator and each decode step straight back to the head (a ring), so
+the coordinator is off the per-token path. A data message names its session and the
+session's key, which the coordinator drew at open and gave only to that session's
+stages: a data message without it is dropped and counted, never used.
 
 A message is one msgpack header frame, optionally followed by one raw payload frame
 (a residual or logits as little-endian f32, never copied into msgpack). Every header
 carries the protocol version, the message type and a request id; each type's fields
-are checked on receipt (types, ranges, and shape x dtype == payload length) before
+are checked on receipt (types, ranges, and rows x n_embd x 4 bytes == payload length) before
 anything uses them. A bad message becomes a ProtocolError with a stable code that
 the receiver sends back as an ERROR message.
 """
@@ -16,6 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from . import errors as E
 from .errors import MeshnetError
 
 VERSION = 1
@@ -27,34 +35,22 @@ GOODBYE = "goodbye"        # worker -> coordinator: shutting down, forget me
 DISCONNECT = "disconnect"  # coordinator -> worker: I do not know you, announce again
 HEALTH = "health"          # coordinator -> worker: stage statistics please
 CAPABILITY = "capability"  # coordinator -> worker: your capability again please
-OPEN = "open"              # coordinator -> worker: open a session
-FORWARD = "forward"        # coordinator -> worker: run my layers on this input
+OPEN = "open"              # coordinator -> worker: open a session, with its key and next hop
 CANCEL = "cancel"          # coordinator -> worker: stop and drop a session
 RELEASE = "release"        # coordinator -> worker: free a session's KV
 SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
 TOKENIZE = "tokenize"      # coordinator -> worker: text -> token ids, as llama.cpp does for the model
 DETOKENIZE = "detokenize"  # coordinator -> worker: token ids -> text
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
-RESULT = "result"          # reply to FORWARD: residual rows, or the tail's token (+ logits)
-ERROR = "error"            # reply to anything that failed, with a code
+ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
+# the data plane
+ACT = "act"                # -> a stage: token ids (head) or residual rows of one session, to run
+TOOK = "took"              # head -> coordinator: a prompt chunk is taken, the next may come
+TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
 
 MAX_HEADER_BYTES = 64 * 1024
 U64_MAX = (1 << 64) - 1
 
-# error codes carried in ERROR messages and MeshnetError.code
-E_MALFORMED = "malformed"
-E_VERSION = "bad_version"
-E_UNKNOWN_TYPE = "unknown_type"
-E_BAD_FIELD = "bad_field"
-E_OVERSIZED = "oversized"
-E_BAD_PAYLOAD = "bad_payload"
-E_DUPLICATE = "duplicate_request"
-E_BUSY = "busy"
-E_DEADLINE = "deadline_exceeded"
-E_CANCELLED = "cancelled"
-E_STAGE_LOST = "stage_lost"
-E_SHUTTING_DOWN = "shutting_down"
-E_ROUTE = "route_incomplete"
 
 
 class ProtocolError(MeshnetError):
@@ -100,16 +96,21 @@ def _positive(v):
     return 0 < v < 1 << 31
 
 
-def _shape(v):
-    return len(v) == 2 and all(_is_int(d) and 0 < d < 1 << 31 for d in v)
-
-
 def _tokens(v):
     return all(_is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
 
 
 def _range(v):
     return len(v) == 2 and all(_is_int(d) and 0 <= d < 1 << 20 for d in v) and v[0] < v[1]
+
+
+def _seams(v):
+    return len(v) <= 4096 and all(isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(x) for x in s)
+                                  and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
+
+
+def _endpoint(v):
+    return 0 < len(v) <= 256 and "://" in v
 
 
 def _sha256(v):
@@ -129,16 +130,17 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     DISCONNECT: {},
     HEALTH: {},
     CAPABILITY: {},
-    OPEN: {"sid": (INT, True, _u64)},
-    FORWARD: {
+    OPEN: {
         "sid": (INT, True, _u64),
-        "pos": (INT, True, _nonneg),
-        "n": (INT, True, _positive),
-        "tokens": (LIST, False, _tokens),
-        "shape": (LIST, False, _shape),
-        "dtype": (STR, False, lambda v: v == "f32"),
-        "logits": (BOOL, False, None),
-        "deadline_ms": (INT, False, _positive),
+        "key": (INT, True, _u64),                  # the session's data-plane key
+        "stage": (INT, True, lambda v: 0 <= v < 1 << 16),   # this stage's place in the route
+        "next": (STR, True, _endpoint),            # where this stage's output goes (the tail: the head)
+        "reply": (STR, True, _endpoint),           # the coordinator's data endpoint
+        "prompt_len": (INT, True, _positive),
+        "max_tokens": (INT, True, _positive),
+        "stop_at_eog": (BOOL, True, None),
+        "logits": (BOOL, False, None),             # the tail sends each token's logits
+        "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
     },
     CANCEL: {"sid": (INT, True, _u64)},
     RELEASE: {"sid": (INT, True, _u64)},
@@ -146,23 +148,34 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     TOKENIZE: {"text": (STR, True, None), "add_special": (BOOL, False, None), "parse_special": (BOOL, False, None)},
     DETOKENIZE: {"tokens": (LIST, True, _tokens)},
     OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
-    RESULT: {
-        "sid": (INT, True, _u64),
-        "n": (INT, True, _positive),
-        "shape": (LIST, False, _shape),
-        "dtype": (STR, False, lambda v: v == "f32"),
-        "token": (INT, False, _nonneg),
-        "eog": (BOOL, False, None),                  # the token ends generation
-        "piece": ((bytes,), False, None),            # the token's text, for streaming
-        "logits_n": (INT, False, _positive),
-        "compute_us": (INT, False, _nonneg),        # the engine's forward call
-        "worker_us": (INT, False, _nonneg),         # the worker's receipt of the request to its reply
-    },
     ERROR: {
         "code": (STR, True, None),
         "message": (STR, True, None),
         "sid": (INT, False, _u64),
         "context": (DICT, False, None),
+    },
+    # the data plane: every message names its session and carries the session's key
+    ACT: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "tokens": (LIST, False, _tokens),          # the head's input; other stages get n x n_embd f32 rows
+        "ack": (BOOL, False, None),                # a prompt chunk: the head answers TOOK when it has taken it
+        "ts": (INT, False, _u64),                  # the sender's monotonic clock at sending, ns
+        "seams": (LIST, False, _seams),            # [seam, hop_us, bytes] for each seam this step crossed
+    },
+    TOOK: {"sid": (INT, True, _u64), "key": (INT, True, _u64), "pos": (INT, True, _nonneg), "n": (INT, True, _positive)},
+    TOKEN: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "token": (INT, True, _nonneg),
+        "eog": (BOOL, True, None),                 # the token ends generation
+        "piece": ((bytes,), False, None),          # the token's text, for streaming
+        "logits_n": (INT, False, _positive),       # with a payload of that many f32
+        "seams": (LIST, False, _seams),            # as in ACT: since the tail's last TOKEN of this session
     },
 }
 
@@ -184,6 +197,8 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "n_ctx": (INT, True, _positive),
     "n_batch": (INT, True, _positive),
     "admitted_bytes": (INT, True, _u64),
+    "data_endpoint": (STR, True, _endpoint),     # the PULL socket its inputs come to
+    "clock_id": (STR, True, _short_text),        # host and boot: equal ids share one monotonic clock
     "pid": (INT, False, _positive),
 }
 
@@ -193,17 +208,17 @@ def _checked_fields(schema: dict, values: dict, where: str, rid, sid) -> dict:
     for name, (types, required, check) in schema.items():
         if name not in values:
             if required:
-                raise ProtocolError(E_BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
+                raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
             continue
         value = values[name]
         if isinstance(value, bool) and bool not in types:
             value = None  # bool is an int subclass: never accept it as one
         if value is None or not isinstance(value, types) or (check and not check(value)):
-            raise ProtocolError(E_BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
+            raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
         fields[name] = value
     unknown = set(values) - set(schema)
     if unknown:
-        raise ProtocolError(E_BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
+        raise ProtocolError(E.BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
     return fields
 
 
@@ -211,7 +226,7 @@ def check_capability(capability: dict, rid: int | None = None) -> dict:
     """A READY's capability, checked field by field and for consistency."""
     fields = _checked_fields(CAPABILITY_FIELDS, capability, "ready: capability", rid, None)
     if fields["layers"][1] > fields["n_layer"]:
-        raise ProtocolError(E_BAD_FIELD, f"ready: capability: layers {fields['layers']} are outside a model of "
+        raise ProtocolError(E.BAD_FIELD, f"ready: capability: layers {fields['layers']} are outside a model of "
                             f"{fields['n_layer']} layers", rid)
     return fields
 
@@ -242,25 +257,25 @@ def decode(frames: list, max_payload: int) -> Message:
     """Parse and validate one message; raises ProtocolError with a code on any defect.
     Frames are bytes or zmq frames (anything with the buffer protocol)."""
     if not frames or len(frames) > 2:
-        raise ProtocolError(E_MALFORMED, f"a message is 1 or 2 frames, got {len(frames)}")
+        raise ProtocolError(E.MALFORMED, f"a message is 1 or 2 frames, got {len(frames)}")
     raw = frames[0]
     if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(E_OVERSIZED, f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+        raise ProtocolError(E.OVERSIZED, f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(E_MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
+        raise ProtocolError(E.MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
     if not isinstance(header, dict):
-        raise ProtocolError(E_MALFORMED, "header is not a map")
+        raise ProtocolError(E.MALFORMED, "header is not a map")
     rid, sid = valid_id(header.get("rid")), valid_id(header.get("sid"))
     if not _is_int(header.get("v")) or header["v"] != VERSION:  # True and 1.0 are not 1 here
-        raise ProtocolError(E_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
+        raise ProtocolError(E.BAD_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
     if rid is None:
-        raise ProtocolError(E_BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)
+        raise ProtocolError(E.BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)
     msg_type = header.get("type")
     schema = SCHEMAS.get(msg_type) if isinstance(msg_type, str) else None
     if schema is None:
-        raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {msg_type!r}", rid, sid)
+        raise ProtocolError(E.UNKNOWN_TYPE, f"unknown message type {msg_type!r}", rid, sid)
 
     body = {k: v for k, v in header.items() if k not in ("v", "type", "rid")}
     try:
@@ -275,7 +290,7 @@ def decode(frames: list, max_payload: int) -> Message:
     if len(frames) == 2:
         payload = frames[1]
         if len(payload) > max_payload:
-            raise ProtocolError(E_OVERSIZED, f"payload of {len(payload)} bytes is over the {max_payload}-byte limit", rid, sid)
+            raise ProtocolError(E.OVERSIZED, f"payload of {len(payload)} bytes is over the {max_payload}-byte limit", rid, sid)
     return Message(msg_type, rid, fields, payload)
 
 
@@ -310,18 +325,15 @@ def f32_payload(array: np.ndarray):
 
 
 def residual_from(msg: Message, n_embd: int) -> np.ndarray:
-    """The residual of a FORWARD/RESULT, checked: shape [n, n_embd], f32, length exact."""
-    shape = msg.get("shape")
-    if shape is None or msg.get("dtype") != "f32" or msg.payload is None:
-        raise ProtocolError(E_BAD_PAYLOAD, f"{msg.type}: a residual needs shape, dtype f32 and a payload frame",
-                            msg.rid, msg.get("sid"))
-    n, width = shape
-    if n != msg["n"] or width != n_embd:
-        raise ProtocolError(
-            "bad_width" if width != n_embd else E_BAD_PAYLOAD,
-            f"{msg.type}: residual shape {shape} does not match n={msg['n']} x n_embd={n_embd}", msg.rid, msg.get("sid"),
-        )
-    if len(msg.payload) != n * width * 4:
-        raise ProtocolError(E_BAD_PAYLOAD, f"{msg.type}: payload is {len(msg.payload)} bytes, shape {shape} x f32 needs "
-                            f"{n * width * 4}", msg.rid, msg.get("sid"))
-    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, width)
+    """The residual rows of an ACT, checked: n rows of n_embd little-endian f32, exactly."""
+    n = msg["n"]
+    if msg.payload is None or msg.get("tokens") is not None:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: this stage takes {n} residual rows as a payload frame, "
+                            "not token ids", msg.rid, msg.get("sid"))
+    size = len(msg.payload)
+    if size != n * n_embd * 4:
+        width = size / (4 * n)
+        raise ProtocolError(E.BAD_WIDTH if width.is_integer() else E.BAD_PAYLOAD,
+                            f"{msg.type}: a payload of {size} bytes is not {n} rows x n_embd {n_embd} x f32 "
+                            f"({n * n_embd * 4} bytes)", msg.rid, msg.get("sid"))
+    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, n_embd)

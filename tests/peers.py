@@ -15,6 +15,7 @@ from meshnet import protocol as P
 from conftest import THREADS
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+KEY = 0x5EC2E7           # the session key a fake coordinator gives its sessions
 
 
 def free_port() -> int:
@@ -44,7 +45,8 @@ def rss_kib(pid) -> int:
 
 
 class FakeCoordinator:
-    """A raw ROUTER playing coordinator."""
+    """A raw ROUTER playing coordinator, with its own data PULL: a session it opens sends
+    every output (the next stage's input, tokens, "chunk taken") back to it."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -52,7 +54,13 @@ class FakeCoordinator:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind("tcp://127.0.0.1:0")
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.data = self.ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.bind("tcp://127.0.0.1:0")
+        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pushes = {}
         self.identity = None
+        self.capability = None
         self.rid = 1000
 
     def wait_ready(self, timeout=60):
@@ -60,6 +68,7 @@ class FakeCoordinator:
             frames = self.recv(timeout)
             msg = P.decode(frames, 1 << 30)
             if msg.type == P.READY:
+                self.capability = msg["capability"]
                 return msg["capability"]
 
     def recv(self, timeout=10):
@@ -89,7 +98,58 @@ class FakeCoordinator:
         self.rid += 1
         return self.reply_to(P.encode(msg_type, self.rid, payload=payload, **fields))
 
+    # the data plane
+
+    def open(self, sid, prompt_len=1, max_tokens=64, key=KEY, stage=None, **fields):
+        """OPEN a session whose every output comes back to this fake."""
+        if stage is None:
+            stage = 0 if self.capability["layers"][0] == 0 else 1
+        return self.request(P.OPEN, sid=sid, key=key, stage=stage, next=self.data_endpoint, reply=self.data_endpoint,
+                            prompt_len=prompt_len, max_tokens=max_tokens, stop_at_eog=False, **fields)
+
+    def send_data(self, frames, endpoint=None):
+        endpoint = endpoint or self.capability["data_endpoint"]
+        if endpoint not in self.pushes:
+            sock = self.pushes[endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        self.pushes[endpoint].send_multipart(frames)
+
+    def act(self, sid, pos, tokens=None, residual=None, key=KEY, **fields):
+        """Send the worker one step of a session on its data endpoint."""
+        n = len(tokens) if tokens is not None else len(residual)
+        payload = None if residual is None else P.f32_payload(residual)
+        self.send_data(P.encode(P.ACT, 0, payload=payload, sid=sid, key=key, pos=pos, n=n,
+                                tokens=None if tokens is None else list(tokens), **fields))
+
+    def outcome(self, timeout=10, skip=(P.TOOK,)):
+        """The next thing the worker does about a step: an ACT or TOKEN on our data
+        socket, or an ERROR on the control socket (heartbeats answered meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.data.poll(10):
+                msg = P.decode(self.data.recv_multipart(), 1 << 30)
+                if msg.type not in skip:
+                    return msg
+            if self.router.poll(0):
+                identity, *frames = self.router.recv_multipart()
+                msg = P.decode(frames, 1 << 30)
+                if msg.type == P.HEARTBEAT:
+                    self.router.send_multipart([identity, *P.encode(P.HEARTBEAT, 0)])
+                    continue
+                return msg
+        raise TimeoutError("the worker did nothing about the step")
+
+    def forward(self, sid, pos, tokens=None, residual=None, **fields):
+        """One step through the worker: what came of it (ACT rows, a TOKEN, or an ERROR)."""
+        self.act(sid, pos, tokens=tokens, residual=residual, **fields)
+        return self.outcome(skip=(P.TOOK,) if self.capability["layers"][1] < self.capability["n_layer"]
+                            else (P.TOOK, P.ACT))
+
     def close(self):
+        for sock in self.pushes.values():
+            sock.close()
+        self.data.close()
         self.router.close()
         self.ctx.term()
 
@@ -99,7 +159,7 @@ def capability(**overrides) -> dict:
     cap = {"worker_id": "fake-" + str(time.monotonic_ns()), "model_sha256": SMOLLM2_SHA256, "arch": "llama",
            "layers": [0, 30], "n_layer": 30, "n_embd": 576, "n_vocab": 49152, "engine_pin": "llama.cpp@fake",
            "backend": "CPU", "wire_dtype": "f32", "max_sessions": 4, "n_ctx": 256, "n_batch": 512,
-           "admitted_bytes": 1 << 20, "pid": 1}
+           "admitted_bytes": 1 << 20, "data_endpoint": "tcp://127.0.0.1:9", "clock_id": "fake", "pid": 1}
     cap.update(overrides)
     return cap
 

@@ -249,18 +249,15 @@ def test_a_non_finite_residual_is_refused_and_the_session_continues(smollm2_path
         with Stage(smollm2_path, (0, 15), n_ctx=256, max_sessions=1, n_threads=THREADS) as head:
             head.open_session(1)
             residual = head.forward([Entry(1, 0, tokens=np.array(prompt_tokens))]).residual
-        assert fake.request(P.OPEN, sid=7).type == P.OK
+        assert fake.open(7, prompt_len=len(prompt_tokens)).type == P.OK
         poisoned = residual.copy()
         poisoned[len(prompt_tokens) // 2, 100] = poison
 
-        def forward(rows):
-            return fake.request(P.FORWARD, payload=P.f32_payload(rows), sid=7, pos=0, n=len(rows),
-                                shape=list(rows.shape), dtype="f32")
-        refused = forward(poisoned)
+        refused = fake.forward(7, 0, residual=poisoned)
         assert refused.type == P.ERROR and refused["code"] == "bad_payload", refused
         assert "row" in refused["message"] and refused["sid"] == 7
-        result = forward(residual)  # the same session, from the same position
-        assert result.type == P.RESULT and result["token"] == expected[0]
+        result = fake.forward(7, 0, residual=residual)  # the same session, from the same position
+        assert result.type == P.TOKEN and result["token"] == expected[0]
     finally:
         worker.terminate()
         worker.wait(timeout=20)
@@ -291,10 +288,13 @@ def test_error_replies_never_echo_an_invalid_session_id(smollm2_path, fake_coord
     try:
         fake = fake_coordinator
         fake.wait_ready()
-        for msg_type in (P.OPEN, P.FORWARD, P.CANCEL):
+        for msg_type in (P.OPEN, P.RELEASE, P.CANCEL):
             reply = fake.reply_to([msgpack.packb({"v": 1, "type": msg_type, "rid": 77, "sid": sid})])
             assert reply.type == P.ERROR and reply["code"] == "bad_field" and "sid" not in reply.fields
-        assert fake.request(P.HEALTH).type == P.OK
+        # on the data plane there is no one to answer: the message is dropped and counted
+        fake.send_data([msgpack.packb({"v": 1, "type": P.ACT, "rid": 0, "sid": sid, "key": 1, "pos": 0, "n": 1,
+                                       "tokens": [1]})])
+        assert wait_until(lambda: fake.request(P.HEALTH)["info"]["dropped"].get("bad_field") == 1)
     finally:
         worker.terminate()
         worker.wait(timeout=20)
@@ -323,17 +323,18 @@ def test_a_cancel_for_an_unopened_session_does_not_poison_its_id(smollm2_path, f
         fake = fake_coordinator
         fake.wait_ready()
         assert fake.request(P.CANCEL, sid=42).type == P.OK
-        assert fake.request(P.OPEN, sid=42).type == P.OK
-        result = fake.request(P.FORWARD, sid=42, pos=0, n=len(prompt_tokens), tokens=prompt_tokens)
-        assert result.type == P.RESULT and result["token"] == expected[0], result
+        assert fake.open(42, prompt_len=len(prompt_tokens)).type == P.OK
+        result = fake.forward(42, 0, tokens=prompt_tokens)
+        assert result.type == P.TOKEN and result["token"] == expected[0], result
         # cancelled while open, then opened again under the same id: clean again
         assert fake.request(P.CANCEL, sid=42).type == P.OK
-        assert fake.request(P.OPEN, sid=42).type == P.OK
-        result = fake.request(P.FORWARD, sid=42, pos=0, n=len(prompt_tokens), tokens=prompt_tokens)
-        assert result.type == P.RESULT and result["token"] == expected[0], result
+        assert fake.open(42, prompt_len=len(prompt_tokens)).type == P.OK
+        result = fake.forward(42, 0, tokens=prompt_tokens)
+        assert result.type == P.TOKEN and result["token"] == expected[0], result
 
-        boolean = fake.request(P.FORWARD, sid=42, pos=len(prompt_tokens), n=1, tokens=[True])
-        assert boolean.type == P.ERROR and boolean["code"] == "bad_field"
+        # booleans are not token ids: the step is not used (dropped and counted), the session goes on
+        fake.act(42, len(prompt_tokens), tokens=[True])
+        assert wait_until(lambda: fake.request(P.HEALTH)["info"]["dropped"].get("bad_field") == 1)
     finally:
         worker.terminate()
         worker.wait(timeout=20)

@@ -16,7 +16,7 @@ from meshnet.errors import MeshnetError
 from meshnet.pipeline import LocalPipeline
 
 from conftest import THREADS
-from peers import FakeCoordinator, start_worker, wait_until
+from peers import KEY, FakeCoordinator, start_worker, wait_until
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs every night, and",
@@ -71,7 +71,12 @@ def test_lifecycle_health_capability_fragmented_prefill_decode_release_shutdown(
         assert session.tokens == expected.tokens
         assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, expected.logits)) == 0.0
         assert session.metrics["prompt_tokens"] == len(prompt_tokens)
-        assert session.metrics["seam_bytes"] == (len(prompt_tokens) + 31) * 576 * 4
+        # each seam crossed once per step: the rows, and a header of at most 128 bytes
+        crossings = -(-len(prompt_tokens) // 64) + 31
+        assert session.metrics["seam_crossings"] == [crossings]
+        assert 0 < session.metrics["seam_bytes"] - (len(prompt_tokens) + 31) * 576 * 4 <= 128 * crossings
+        assert session.metrics["decode_crossings_per_token"] == 1.0
+        assert 576 * 4 < session.metrics["decode_seam_bytes_per_token"] <= 576 * 4 + 128
         # health is answered at once from the stage's last snapshot: the release shows within a job
         assert wait_until(lambda: all(s["n_sessions"] == 0 and s["kv_bytes_used"] == 0
                                       for s in stats_by_range(coordinator).values()))
@@ -106,12 +111,18 @@ def test_worker_processes_give_whole_model_tokens_and_bit_identical_logits(smoll
     assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, expected.logits)) == 0.0
 
 
-def test_four_concurrent_sessions_each_give_their_own_tokens(smollm2_path, reference):
-    with cluster(smollm2_path, HALVES) as c:
-        sessions = [c.coordinator.generate(reference[p][0], 32, stop_at_eog=False) for p in PROMPTS]
-        results = [s.result() for s in sessions]
+def test_four_concurrent_sessions_are_batched_and_each_gives_its_own_tokens_and_bit_identical_logits(smollm2_path,
+                                                                                                      reference):
+    with cluster(smollm2_path, HALVES, prefill_chunk=16) as c:
+        sessions = [c.coordinator.generate(reference[p][0], 32, stop_at_eog=False, want_logits=True) for p in PROMPTS]
+        results = [s.result(60) for s in sessions]
+        stats = c.coordinator.stage_stats()
     for prompt, session in zip(PROMPTS, results):
-        assert session.tokens == reference[prompt][1].tokens
+        expected = reference[prompt][1]
+        assert session.tokens == expected.tokens
+        assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, expected.logits)) == 0.0
+    for stage in stats:  # the sessions really shared forward calls
+        assert stage["batched_entries"] > stage["forwards"]
 
 
 # cancellation
@@ -152,40 +163,51 @@ def test_cancel_mid_prefill_and_mid_decode_leaves_other_sessions_untouched(smoll
 # failures: a dead or hung worker is a bounded, structured error
 
 
-@pytest.mark.parametrize("victim", [(0, 15), (15, 30)], ids=["head", "tail"])
+@pytest.mark.parametrize("victim", [(0, 10), (10, 20), (20, 30)], ids=["head", "middle", "tail"])
+@pytest.mark.parametrize("when", ["prefill", "decode"])
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_lost_worker_mid_decode_is_a_structured_error_and_a_replacement_restores_service(smollm2_path, reference, victim, how):
+def test_a_lost_stage_is_a_structured_error_within_3_s_the_survivors_free_the_kv_and_a_replacement_serves(
+        smollm2_path, reference, victim, when, how):
     prompt_tokens, expected = reference[PROMPTS[1]]
-    c = cluster(smollm2_path, HALVES, **FAST_HEARTBEAT)
+    long_tokens = reference[LONG_PROMPT][0] * 4  # ~900 tokens in chunks of 16: seconds of prefill
+    c = cluster(smollm2_path, THIRDS, prefill_chunk=16, **FAST_HEARTBEAT)
+    process = c.processes[victim]
     try:
         coordinator = c.coordinator
-        callers = [coordinator.generate(reference[p][0], 400, stop_at_eog=False) for p in PROMPTS[:2]]
-        for session in callers:  # both are decoding now: each has streamed its first token
-            next(iter(session))
-        assert [len(s.tokens) for s in callers] == [1, 1]
+        if when == "decode":
+            callers = [coordinator.generate(reference[p][0], 400, stop_at_eog=False) for p in PROMPTS[:2]]
+            for session in callers:  # both are decoding now: each has streamed its first token
+                next(iter(session))
+            assert [len(s.tokens) for s in callers] == [1, 1]
+        else:
+            callers = [coordinator.generate(long_tokens, 4) for _ in range(2)]
+            # the prompt is on its way through every stage: the tail has done work for it
+            assert wait_until(lambda: stats_by_range(coordinator)[(20, 30)]["forwards"] > 2, timeout=20)
 
-        process = c.processes[victim]
         os.kill(process.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
         for session in callers:
             with pytest.raises(MeshnetError) as err:
-                session.result()
+                session.result(10)
             error = err.value.to_dict()
-            assert error["code"] == "stage_lost"
+            assert error["code"] == "stage_lost", error
             assert error["stage"] == f"[{victim[0]},{victim[1]})"
             assert error["worker"] and error["session"] == session.sid
             assert error["elapsed_ms"] <= 3000
         assert time.monotonic() - t0 < 3.0
+        if when == "prefill":
+            assert all(s.tokens == [] for s in callers)
 
-        survivor = (15, 30) if victim == (0, 15) else (0, 15)
-        assert wait_until(lambda: stats_by_range(coordinator)[survivor]["n_sessions"] == 0)
+        survivors = [r for r in THIRDS if r != victim]
+        assert wait_until(lambda: all(stats_by_range(coordinator)[r]["n_sessions"] == 0
+                                      and stats_by_range(coordinator)[r]["kv_bytes_used"] == 0 for r in survivors))
         with pytest.raises(MeshnetError) as err:
-            coordinator.generate(prompt_tokens, 4).result()
+            coordinator.generate(prompt_tokens, 4).result(10)
         assert err.value.code == "route_incomplete"
 
         c.spawn_worker(victim)
-        coordinator.wait_for_route(60, n_stages=2)
-        session = coordinator.generate(prompt_tokens, 32, stop_at_eog=False).result()
+        coordinator.wait_for_route(60, n_stages=3)
+        session = coordinator.generate(prompt_tokens, 32, stop_at_eog=False).result(30)
         assert session.tokens == expected.tokens
     finally:
         if process.poll() is None:  # the stopped one, replaced: the cluster no longer owns it
@@ -227,34 +249,44 @@ def test_malformed_messages_at_the_worker_get_structured_errors_and_it_keeps_ser
         with Stage(smollm2_path, (0, 15), n_ctx=256, max_sessions=1, n_threads=THREADS) as head:
             head.open_session(1)
             residual = head.forward([Entry(1, 0, tokens=np.array(prompt_tokens))]).residual
-        assert fake.request(P.OPEN, sid=7).type == P.OK
+        assert fake.open(7, prompt_len=len(prompt_tokens)).type == P.OK
 
+        # the control socket answers every bad message with a structured error
         def bad(frames, code):
             msg = fake.reply_to(frames)
             assert msg.type == P.ERROR and msg["code"] == code, msg
             assert msg["message"]
 
         bad([os.urandom(64)], "malformed")
-        bad([msgpack.packb({"v": 1, "type": "forward", "rid": 5})[:-3]], "malformed")
+        bad([msgpack.packb({"v": 1, "type": "open", "rid": 5})[:-3]], "malformed")
         bad([msgpack.packb({"v": 99, "type": "health", "rid": 5})], "bad_version")
         bad([msgpack.packb({"v": 1, "type": "make_coffee", "rid": 6})], "unknown_type")
-        bad(P.encode(P.FORWARD, 8, payload=b"\0" * (4 * 512 * n_embd + 4), sid=7, pos=0, n=1, shape=[1, n_embd], dtype="f32"),
-            "oversized")
+        bad(P.encode(P.ACT, 7, sid=7, key=KEY, pos=0, n=1, tokens=[1]), "unknown_type")  # data goes to the data socket
+        bad(P.encode(P.OPEN, 8, sid=9, key=1, stage=1, next="nowhere", reply=fake.data_endpoint, prompt_len=1,
+                     max_tokens=1, stop_at_eog=True), "bad_field")
+        bad(P.encode(P.HEALTH, fake.rid), "duplicate_request")  # the rid of the OPEN above
+
+        # the data socket has no one to answer: what cannot be used is dropped and counted...
+        fake.send_data([os.urandom(64)])
+        fake.send_data([P.encode(P.ACT, 0, sid=7, key=KEY, pos=0, n=1)[0], b"\0" * (4 * 512 * n_embd + 4)])
+        fake.act(7, 0, residual=residual, key=KEY + 1)            # without the session's key
+        fake.act(12345, 0, residual=residual)                      # a session that is not open here
+        fake.send_data(P.encode(P.TOKEN, 0, sid=7, key=KEY, pos=0, n=1, token=1, eog=False))  # not a stage's input
+        dropped = {"malformed": 1, "oversized": 1, "bad_key": 1, "unknown_session": 1, "unknown_type": 1}
+        assert wait_until(lambda: fake.request(P.HEALTH)["info"]["dropped"] == dropped)
+        # ...and what names the session with its key but cannot run ends that session with an error
         wrong_width = np.zeros((len(prompt_tokens), n_embd - 8), np.float32)
-        bad(P.encode(P.FORWARD, 9, payload=P.f32_payload(wrong_width), sid=7, pos=0, n=len(prompt_tokens),
-                     shape=list(wrong_width.shape), dtype="f32"), "bad_width")
-        bad(P.encode(P.FORWARD, 10, payload=residual.astype(np.float64).tobytes(), sid=7, pos=0, n=len(prompt_tokens),
-                     shape=list(residual.shape), dtype="f64"), "bad_field")
-        bad(P.encode(P.FORWARD, 11, payload=residual.tobytes()[:-4], sid=7, pos=0, n=len(prompt_tokens),
-                     shape=list(residual.shape), dtype="f32"), "bad_payload")
-        bad(P.encode(P.FORWARD, 12, payload=P.f32_payload(residual), sid=12345, pos=0, n=len(prompt_tokens),
-                     shape=list(residual.shape), dtype="f32"), "unknown_session")
-        bad(P.encode(P.OPEN, 12, sid=8), "duplicate_request")  # rid 12 was used just above
+        for rows, code in [(wrong_width, "bad_width"), (residual[:, :-1].copy(), "bad_width")]:
+            msg = fake.forward(7, 0, residual=rows)
+            assert msg.type == P.ERROR and msg["code"] == code and msg["sid"] == 7, msg
+        fake.send_data(P.encode(P.ACT, 0, payload=P.f32_payload(residual)[:-4], sid=7, key=KEY, pos=0,
+                                n=len(prompt_tokens)))
+        msg = fake.outcome()
+        assert msg.type == P.ERROR and msg["code"] == "bad_payload", msg
 
         # after all that, the session gives exactly the whole model's first token
-        result = fake.request(P.FORWARD, payload=P.f32_payload(residual), sid=7, pos=0, n=len(prompt_tokens),
-                              shape=list(residual.shape), dtype="f32")
-        assert result.type == P.RESULT and result["token"] == expected.tokens[0]
+        result = fake.forward(7, 0, residual=residual)
+        assert result.type == P.TOKEN and result["token"] == expected.tokens[0]
         health = fake.request(P.HEALTH)
         assert health.type == P.OK and health["info"]["n_sessions"] == 1
         assert worker.poll() is None
@@ -285,7 +317,7 @@ def test_malformed_messages_at_the_coordinator_get_structured_errors_and_it_keep
             bad([msgpack.packb({"v": 1, "type": "teleport", "rid": 2})], "unknown_type")
             bad(P.encode(P.READY, 3, capability={"layers": "all of them"}), "bad_field")
             bad([P.encode(P.HEARTBEAT, 4)[0], b"\0" * (5 << 20)], "oversized")
-            bad(P.encode(P.FORWARD, 5, sid=1, pos=0, n=1, tokens=[1]), "unknown_type")
+            bad(P.encode(P.ACT, 5, sid=1, key=1, pos=0, n=1, tokens=[1]), "unknown_type")
             assert session.result().tokens == expected.tokens
             assert c.coordinator.generate(prompt_tokens, 32, stop_at_eog=False).result().tokens == expected.tokens
         finally:
@@ -301,7 +333,7 @@ def test_flooding_a_worker_past_its_queue_gives_busy_and_bounded_memory(smollm2_
     try:
         fake = fake_coordinator
         fake.wait_ready()
-        assert fake.request(P.OPEN, sid=1).type == P.OK
+        assert fake.open(1, prompt_len=64 * 300).type == P.OK
 
         def rss_kib():
             with open(f"/proc/{worker.pid}/status") as f:
@@ -310,17 +342,14 @@ def test_flooding_a_worker_past_its_queue_gives_busy_and_bounded_memory(smollm2_
         rss_before = rss_kib()
         n_sent = 300
         for i in range(n_sent):  # 300 prompt chunks of 64 tokens, as fast as the socket takes them
-            fake.router.send_multipart([fake.identity, *P.encode(P.FORWARD, 5000 + i, sid=1, pos=64 * i, n=64,
-                                                                  tokens=list(range(100, 164)))])
-        replies = []
-        while len(replies) < n_sent:
-            msg = P.decode(fake.recv(30), 1 << 30)
-            if msg.type != P.HEARTBEAT:
-                replies.append(msg)
-        codes = [m["code"] if m.type == P.ERROR else m.type for m in replies]
-        assert codes.count("busy") > n_sent / 2
-        assert codes.count(P.RESULT) >= 1
-        assert rss_kib() - rss_before < 64 * 1024  # bounded: the refused requests were not kept
+            fake.act(1, 64 * i, tokens=list(range(100, 164)))
+        outcomes = []
+        while len(outcomes) < n_sent:  # each step ran (its rows come to us) or was refused (an error)
+            msg = fake.outcome(30)
+            outcomes.append(msg["code"] if msg.type == P.ERROR else msg.type)
+        assert outcomes.count("busy") > n_sent / 2
+        assert outcomes.count(P.ACT) >= 1
+        assert rss_kib() - rss_before < 64 * 1024  # bounded: the refused steps were not kept
         assert worker.poll() is None
     finally:
         worker.terminate()
@@ -334,7 +363,7 @@ def test_a_worker_that_loses_its_coordinator_releases_its_sessions_and_announces
         fake = fake_coordinator
         fake.wait_ready()
         first_identity = fake.identity
-        assert fake.request(P.OPEN, sid=3).type == P.OK
+        assert fake.open(3).type == P.OK
         assert fake.request(P.HEALTH)["info"]["n_sessions"] == 1
         t0 = time.monotonic()
         fake.wait_ready(timeout=10)  # we stay silent: after 0.5 s it gives us up and announces itself again

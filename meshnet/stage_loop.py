@@ -1,0 +1,418 @@
+"""A stage worker's compute thread: the data plane of one stage.
+
+It owns the stage (every engine call happens here), the PULL socket its inputs come to,
+and a PUSH socket per next hop. The hot path has no thread hand-off: this thread reads
+an activation from its data socket, runs it (batched with every other waiting decode
+step), and sends the result on itself: residual rows to the next stage, or, at the
+tail, the token to the coordinator and, in decode, the next step straight back to the
+head. Control (open, release, cancel, text) reaches it from the worker's socket loop
+through a job queue, woken by an inproc pair that also carries the replies back.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from . import errors as E
+from . import protocol as P
+from .batching import Step, StepResult, run_batch, take_batch
+from .engine import Stage
+from .errors import MeshnetError
+from .generation import StopRule, tail_step
+from .metrics import percentiles
+
+STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
+DATA_HWM = 1000           # ZeroMQ high-water mark of the data sockets, messages
+RECV_BURST = 256          # data messages read before computing: all that is waiting, within reason
+HOPS_KEPT = 10_000
+SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
+MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
+# test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
+# so that tests can prove `meshnet accept` notices; never set outside tests
+TEST_FAULT = None
+
+
+@dataclass
+class Job:
+    kind: str                  # the StageLoop method that runs it: open, release, cancel, tokenize, ...
+    rid: int
+    epoch: int                 # which coordinator connection asked; replies to old ones are dropped
+    sid: int | None = None
+    msg: P.Message | None = None
+
+
+@dataclass
+class StageSession:
+    """What a stage knows of one session: its key, where its outputs go, and (the tail)
+    when it ends."""
+
+    sid: int
+    key: int
+    stage: int                 # this stage's place in the route
+    next_hop: str
+    reply: str
+    prompt_len: int
+    rule: StopRule
+    want_logits: bool
+    hop_clock: bool
+    n_generated: int = 0
+    seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
+
+
+@dataclass
+class Input:
+    """What travels with a waiting step: its session, the seams it crossed, whether the
+    coordinator wants to hear that the head took it."""
+
+    session: StageSession
+    seams: list
+    ack: bool
+
+
+class StageLoop(threading.Thread):
+    def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
+                 max_queue: int, max_payload: int, test_fault: str | None = None):
+        super().__init__(name="meshnet-stage", daemon=True)
+        self.stage = stage
+        self.info = stage.info()
+        self.ctx = ctx
+        self.max_queue = max_queue
+        self.max_payload = max_payload
+        self.test_fault = test_fault
+        self.jobs: collections.deque[Job | None] = collections.deque()
+        self.pair = ctx.socket(zmq.PAIR)
+        self.pair.connect(control_endpoint)
+        self.data = ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.RCVHWM, DATA_HWM)
+        self.data.setsockopt(zmq.MAXMSGSIZE, 2 * (max_payload + P.MAX_HEADER_BYTES))
+        try:
+            self.data.bind(data_bind)
+        except zmq.ZMQError as e:
+            self.data.close(linger=0)
+            self.pair.close(linger=0)
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
+        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pushes: dict[str, zmq.Socket] = {}
+        self.sessions: dict[int, StageSession] = {}
+        self.waiting: collections.deque[Step] = collections.deque()
+        self.lock = threading.Lock()
+        # sessions whose steps must not run: set by a CANCEL at once, cleared by its job
+        self.cancelled: set[int] = set()
+        self.running: set[int] = set()
+        self.epoch = 0             # the socket loop's current coordinator connection
+        self.errors: collections.Counter = collections.Counter()    # sessions failed here, by code
+        self.dropped: collections.Counter = collections.Counter()   # data messages not used, by reason
+        self.forwards = 0
+        self.batched_entries = 0
+        self.compute_us_total = 0
+        self.seam_bytes_in = 0
+        self.hops_us: collections.deque = collections.deque(maxlen=HOPS_KEPT)
+        self.stats: dict = {}      # a snapshot, read by the socket loop
+        self._stats_at = 0.0
+        self._refresh_stats()
+
+    # ---- called from the socket loop ---------------------------------------------------
+
+    def submit(self, job: Job | None) -> None:
+        self.jobs.append(job)
+
+    def cancel(self, sid: int) -> None:
+        """Stop a session at once: its waiting steps will not run, and a forward call
+        running for it alone is aborted (one shared with other sessions runs on; the
+        session's part of it is dropped)."""
+        with self.lock:
+            self.cancelled.add(sid)
+            if self.running and self.running <= self.cancelled:
+                self.stage.abort()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pair, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(0 if self.waiting else int(STATS_PERIOD * 1000)))
+            if self.pair in events:
+                while self.pair.poll(0):
+                    self.pair.recv()     # wake-ups: the jobs themselves are in the deque
+            if self.jobs and not self._run_jobs():
+                break
+            if self.data in events:
+                self._receive_burst()
+            if self.waiting:
+                self._run_one_batch()
+            if time.monotonic() - self._stats_at > STATS_PERIOD:
+                self._refresh_stats()
+        self._close()
+
+    def _run_jobs(self) -> bool:
+        while self.jobs:
+            job = self.jobs.popleft()
+            if job is None:
+                return False
+            try:
+                getattr(self, "_do_" + job.kind)(job)
+            except MeshnetError as e:
+                self._error_reply(job, e)
+            except Exception as e:  # a bug must not kill the worker: report it and go on
+                self._error_reply(job, MeshnetError(E.INTERNAL, f"{type(e).__name__}: {e}"))
+        self._refresh_stats()
+        return True
+
+    def _close(self) -> None:
+        for sock in self.pushes.values():
+            sock.close(linger=0)
+        self.data.close(linger=0)
+        self.pair.close(linger=0)
+
+    def _refresh_stats(self) -> None:
+        try:
+            info = self.stage.info()
+        except MeshnetError:
+            return
+        hops = percentiles(self.hops_us)
+        # one assignment: the socket loop reads whole snapshots, never a half-written one
+        self.stats = {
+            "layers": [info.layer_start, info.layer_end],
+            "n_sessions": info.n_sessions,
+            "kv_bytes": info.kv_bytes,
+            "kv_bytes_used": info.kv_bytes_used,
+            "model_bytes": info.model_bytes,
+            "compute_bytes": info.compute_bytes,
+            "forwards": self.forwards,
+            "batched_entries": self.batched_entries,
+            "compute_us_total": self.compute_us_total,
+            "waiting": len(self.waiting),
+            "seam_bytes_in": self.seam_bytes_in,
+            "hop_in_us_p50": hops["p50"],
+            "hop_in_us_p99": hops["p99"],
+            "dropped": dict(self.dropped),
+            "errors": dict(self.errors),
+            "data_endpoint": self.data_endpoint,
+        }
+        self._stats_at = time.monotonic()
+
+    # ---- control jobs --------------------------------------------------------------------
+
+    def _reply(self, job: Job, frames: list) -> None:
+        # the socket loop needs to know which connection asked and which bound frees up
+        self.pair.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.encode(), *frames], copy=False)
+
+    def _error_reply(self, job: Job, error: MeshnetError) -> None:
+        self.errors[error.code] += 1
+        self._reply(job, P.error_frames(job.rid, error.code, error.message, sid=job.sid))
+
+    def _do_open(self, job: Job) -> None:
+        m = job.msg
+        if (m["stage"] == 0) != self.info.is_head:
+            raise MeshnetError(E.BAD_FIELD, f"open: stage {m['stage']} is not this stage's place: it "
+                               + ("is the head (stage 0)" if self.info.is_head else "comes after the head"))
+        self.stage.open_session(job.sid)
+        self.sessions[job.sid] = StageSession(
+            job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
+            StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False))
+        for endpoint in (m["next"], m["reply"]):
+            self._push(endpoint)   # connect now: the first step finds the link made
+        with self.lock:
+            self.cancelled.discard(job.sid)  # a new session under this id starts clean
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _forget(self, sid: int) -> None:
+        session = self.sessions.pop(sid, None)
+        if any(s.sid == sid for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if s.sid != sid)
+        if session is not None:
+            self.stage.release_session(sid)
+            in_use = {e for s in self.sessions.values() for e in (s.next_hop, s.reply)}
+            for endpoint in (session.next_hop, session.reply):
+                if endpoint not in in_use and endpoint in self.pushes:
+                    self.pushes.pop(endpoint).close(linger=0)
+
+    def _do_release(self, job: Job) -> None:
+        if job.sid not in self.sessions:
+            raise MeshnetError(E.UNKNOWN_SESSION, f"session {job.sid} is not open on this stage")
+        self._forget(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_cancel(self, job: Job) -> None:
+        self._forget(job.sid)
+        with self.lock:  # the steps received before this job have seen the cancel: forget it
+            self.cancelled.discard(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_release_all(self, job: Job) -> None:
+        for sid in list(self.sessions):
+            self._forget(sid)
+        with self.lock:
+            self.cancelled.clear()
+
+    def _do_tokenize(self, job: Job) -> None:
+        m = job.msg
+        tokens = self.stage.tokenize(m["text"], m.get("add_special", True), m.get("parse_special", False))
+        self._reply(job, P.encode(P.OK, job.rid, info={"tokens": tokens}))
+
+    def _do_detokenize(self, job: Job) -> None:
+        self._reply(job, P.encode(P.OK, job.rid, info={"text": self.stage.detokenize(job.msg["tokens"])}))
+
+    # ---- the data plane ------------------------------------------------------------------
+
+    def _session_failed(self, session: StageSession, error: MeshnetError) -> None:
+        """Tell the coordinator, which ends the session everywhere; the stage goes on."""
+        self.errors[error.code] += 1
+        self.pair.send_multipart([self.epoch.to_bytes(8, "little"), b"session",
+                                  *P.error_frames(0, error.code, error.message, sid=session.sid,
+                                                  stage=f"[{self.info.layer_start},{self.info.layer_end})")])
+
+    def _receive_burst(self) -> None:
+        for _ in range(RECV_BURST):
+            if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames, why = P.recv_frames(self.data, 2, self.max_payload + P.MAX_HEADER_BYTES)
+            if why is not None:
+                self.dropped[E.OVERSIZED] += 1
+                continue
+            self._accept(frames, time.monotonic_ns())
+
+    def _accept(self, frames: list, t_ns: int) -> None:
+        """Check one data message; only one that names an open session with its key can
+        touch that session (anything else is dropped and counted: a PULL has no one to
+        answer)."""
+        try:
+            msg = P.decode(frames, self.max_payload)
+        except P.ProtocolError as e:
+            self.dropped[e.code] += 1
+            return
+        if msg.type != P.ACT:
+            self.dropped[E.UNKNOWN_TYPE] += 1
+            return
+        session = self.sessions.get(msg["sid"])
+        if session is None:
+            self.dropped[E.UNKNOWN_SESSION] += 1   # a stranger's, or a session just ended
+            return
+        if session.key != msg["key"]:
+            self.dropped[E.BAD_KEY] += 1
+            return
+        if msg["sid"] in self.cancelled:
+            self.dropped[E.CANCELLED] += 1
+            return
+        try:
+            step = self._step(session, msg, sum(len(f) for f in frames), t_ns)
+        except MeshnetError as e:
+            self._session_failed(session, e)
+            return
+        self.waiting.append(step)
+
+    def _step(self, session: StageSession, msg: P.Message, nbytes: int, t_ns: int) -> Step:
+        n = msg["n"]
+        if n > self.info.n_batch:
+            raise MeshnetError(E.BAD_FIELD, f"n={n} is over this stage's n_batch {self.info.n_batch}")
+        if len(self.waiting) >= self.max_queue:
+            raise MeshnetError(E.BUSY, f"{len(self.waiting)} steps are already waiting on this stage; try again later")
+        # a step into stage k has crossed seams 0..k-1 at most: anything more is not ours to keep
+        seams = list(msg.get("seams", ()))[: max(session.stage - 1, 0)]
+        if self.info.is_head:
+            tokens = msg.get("tokens")
+            if tokens is None or len(tokens) != n or msg.payload is not None:
+                raise MeshnetError(E.BAD_PAYLOAD, f"the head stage takes n={n} token ids and no payload")
+            step = Step(msg["sid"], msg["pos"], n, tokens=tokens)
+        else:
+            step = Step(msg["sid"], msg["pos"], n, residual=P.residual_from(msg, self.info.n_embd))
+            hop_us = (t_ns - msg["ts"]) // 1000 if session.hop_clock and "ts" in msg.fields else -1
+            hop_us = -1 if not 0 <= hop_us <= MAX_SEAM_FIELD else hop_us   # a sender's odd clock is not a measurement
+            if hop_us >= 0:
+                self.hops_us.append(hop_us)
+            self.seam_bytes_in += nbytes
+            seams.append([session.stage - 1, hop_us, nbytes])
+        step.want_logits = self.info.is_tail and session.want_logits
+        step.meta = Input(session, seams, bool(msg.get("ack")))
+        return step
+
+    def _run_one_batch(self) -> None:
+        with self.lock:
+            steps = [s for s in take_batch(self.waiting, self.info.max_sessions, self.info.n_batch)
+                     if s.sid not in self.cancelled]
+            self.running = {s.sid for s in steps}
+        if not steps:
+            return
+        started = time.perf_counter_ns()
+        try:
+            results = run_batch(self.stage, steps)
+        finally:
+            with self.lock:
+                self.running = set()
+        self.compute_us_total += (time.perf_counter_ns() - started) // 1000
+        self.forwards += 1
+        self.batched_entries += len(steps)
+        for result in results:
+            self._pass_on(result)
+
+    def _pass_on(self, result: StepResult) -> None:
+        step, inp = result.step, result.step.meta
+        session = inp.session
+        if step.sid in self.cancelled or self.sessions.get(step.sid) is not session:
+            self.dropped[E.CANCELLED] += 1   # cancelled while it ran: its part goes nowhere
+            return
+        if result.error is not None:
+            if result.error.code != E.ABORTED:
+                self._session_failed(session, result.error)
+            return
+        if self.info.is_head and inp.ack:
+            self._send(session, session.reply, P.encode(P.TOOK, 0, sid=step.sid, key=session.key, pos=step.pos, n=step.n))
+        if not self.info.is_tail:
+            self._send(session, session.next_hop,
+                       P.encode(P.ACT, 0, payload=P.f32_payload(result.residual), sid=step.sid, key=session.key,
+                                pos=step.pos, n=step.n, seams=inp.seams or None, ts=time.monotonic_ns()))
+            return
+        token = result.token
+        is_eog = self.stage.is_eog(token)
+        is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated, step.pos, step.n, is_eog)
+        session.seams.extend(inp.seams)
+        if len(session.seams) > SEAMS_KEPT:  # a long prompt before the first token: keep totals per seam
+            totals: dict[int, int] = collections.Counter()
+            for seam, _, nbytes in session.seams:
+                totals[seam] += nbytes
+            session.seams = [[seam, -1, min(nbytes, MAX_SEAM_FIELD)] for seam, nbytes in sorted(totals.items())]
+        if feed_head:  # the next decode step first: it is the critical path
+            self._send(session, session.next_hop,
+                       P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=step.pos + step.n, n=1, tokens=[token]))
+        if is_token:
+            session.n_generated += 1
+            logits = result.logits
+            if self.test_fault == "wrong_logits" and logits is not None:
+                logits = logits + 0.25
+            self._send(session, session.reply, P.encode(
+                P.TOKEN, 0, payload=None if logits is None else P.f32_payload(logits), sid=step.sid, key=session.key,
+                pos=step.pos, n=step.n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
+                logits_n=None if logits is None else len(logits), seams=session.seams or None))
+            session.seams = []
+
+    def _push(self, endpoint: str) -> zmq.Socket:
+        sock = self.pushes.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, DATA_HWM)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {endpoint!r}: {e.strerror}") from None
+            self.pushes[endpoint] = sock
+        return sock
+
+    def _send(self, session: StageSession, endpoint: str, frames: list) -> None:
+        try:
+            self._push(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._session_failed(session, MeshnetError(
+                E.HOP_UNREACHABLE, f"stage [{self.info.layer_start},{self.info.layer_end}) could not pass session "
+                f"{session.sid} on to {endpoint}: nothing takes from it"))
+        except MeshnetError as e:
+            self._session_failed(session, e)
