@@ -3,7 +3,9 @@ the whole model in one process, N stages in one process, N worker processes.
 
 Each configuration runs every prompt --repeats times, the configurations interleaved
 so that machine noise falls on all of them; medians are printed with their spread
-(min-max) and the ratio to the whole-model run.
+(min-max) and the ratio to the whole-model run. With --sessions N, each repeat also
+runs N sessions at once in every configuration (the in-process ones batch them at
+every stage, as the workers do) and reports their aggregate decode rate.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass, field
 from . import models
 from .cluster import LocalCluster
 from .gguf_layout import read_layout
+from .layers import even_ranges
 from .metrics import rss_bytes
-from .pipeline import LocalPipeline, even_ranges
+from .pipeline import LocalPipeline, Request
 
 PROMPTS = [
     "In the far north, where the winters last for most of the year, a small village of fishermen kept an old "
@@ -25,6 +28,8 @@ PROMPTS = [
     "sticks, and the first numbers were simply marks, one for each sheep or each day.",
     "A good recipe for bread needs only four things: flour, water, salt and yeast. The baker's skill lies in "
     "time and temperature, and in knowing when the dough is ready.",
+    "The river rose slowly all through the night, and by morning the low fields along its banks had become a "
+    "single grey lake, with only the tops of the fences showing where the roads had been.",
 ]
 CONFIGS = ("whole", "stages", "workers")
 
@@ -34,10 +39,13 @@ class Samples:
     label: str
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
+    aggregate_decode_tok_s: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     hop_us_p50: list[float] = field(default_factory=list)
     hop_us_p99: list[float] = field(default_factory=list)
     seam_bytes_per_token: list[float] = field(default_factory=list)
+    decode_seam_bytes_per_token: list[float] = field(default_factory=list)   # per seam
+    decode_crossings_per_token: list[float] = field(default_factory=list)    # per seam
     rss_bytes: list[int] = field(default_factory=list)   # per process, at the end
 
     def add(self, metrics: dict) -> None:
@@ -49,6 +57,16 @@ class Samples:
         if metrics.get("hop_us_p50") is not None:
             self.hop_us_p50.append(metrics["hop_us_p50"])
             self.hop_us_p99.append(metrics["hop_us_p99"])
+        if metrics.get("decode_seam_bytes_per_token") is not None:
+            self.decode_seam_bytes_per_token.append(metrics["decode_seam_bytes_per_token"])
+            self.decode_crossings_per_token.append(metrics["decode_crossings_per_token"])
+
+    def add_concurrent(self, many: list[dict]) -> None:
+        """N sessions that ran together: every decoded token over the time from the first
+        session's first token to the last session's end."""
+        decoded = sum(m["generated_tokens"] - 1 for m in many)
+        span = max(m["t_end_s"] for m in many) - min(m["t_first_s"] for m in many)
+        self.aggregate_decode_tok_s.append(decoded / span)
 
 
 def summary(values: list[float]) -> dict | None:
@@ -57,38 +75,55 @@ def summary(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int,
-              configs=CONFIGS) -> dict:
+def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int, configs=CONFIGS,
+              sessions: int = 1) -> dict:
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = even_ranges(layout.n_layer, n_stages)
-    options = dict(n_ctx=1024, max_sessions=1, n_threads=threads)
-    runners, closers, samples = {}, [], {}
+    options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads)
+    runners, concurrent, closers, samples = {}, {}, [], {}
+
+    def in_process(pipe):
+        runners[label] = lambda tokens: pipe.generate(tokens, n_decode + 1, stop_at_eog=False).metrics
+        concurrent[label] = lambda prompts: [c.metrics for c in pipe.generate_many(
+            [Request(t, n_decode + 1, stop_at_eog=False) for t in prompts])]
+
     try:
         if "whole" in configs:
+            label = "whole"
             whole = LocalPipeline(path, [(0, layout.n_layer)], **options)
             closers.append(whole.close)
-            runners["whole"] = lambda tokens: whole.generate(tokens, n_decode + 1, stop_at_eog=False).metrics
+            in_process(whole)
             samples["whole"] = Samples("whole model, 1 process")
         if "stages" in configs:
+            label = "stages"
             staged = LocalPipeline(path, ranges, **options)
             closers.append(staged.close)
-            runners["stages"] = lambda tokens: staged.generate(tokens, n_decode + 1, stop_at_eog=False).metrics
+            in_process(staged)
             samples["stages"] = Samples(f"{n_stages} stages, 1 process")
         if "workers" in configs:
-            cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1).start()
+            cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=max(sessions, 1)).start()
             closers.append(cluster.close)
-            runners["workers"] = lambda tokens: cluster.coordinator.generate(tokens, n_decode + 1,
-                                                                             stop_at_eog=False).result().metrics
+            coordinator = cluster.coordinator
+            runners["workers"] = lambda tokens: coordinator.generate(tokens, n_decode + 1,
+                                                                     stop_at_eog=False).result().metrics
+            concurrent["workers"] = lambda prompts: [h.result().metrics for h in [
+                coordinator.generate(t, n_decode + 1, stop_at_eog=False) for t in prompts]]
             samples["workers"] = Samples(f"{n_stages} worker processes")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
         prompt_tokens = [tokenizer.tokenize(p) if tokenizer else cluster.coordinator.tokenize(p) for p in PROMPTS]
-        for run in runners.values():  # warm-up: first-touch allocations and caches
+        batch = [prompt_tokens[i % len(prompt_tokens)] for i in range(sessions)]
+        for label, run in runners.items():  # warm-up: first-touch allocations and caches
             run(prompt_tokens[0][:16])
+            if sessions > 1:
+                concurrent[label]([t[:16] for t in batch])
         for _ in range(repeats):
             for tokens in prompt_tokens:
                 for label, run in runners.items():
                     samples[label].add(run(tokens))
+            if sessions > 1:
+                for label, run in concurrent.items():
+                    samples[label].add_concurrent(run(batch))
         in_process_rss = rss_bytes()
         for label in ("whole", "stages"):
             if label in samples:
@@ -100,16 +135,25 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             close()
 
     report = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
-              "prompts": len(PROMPTS), "decode_tokens": n_decode, "threads": threads, "configs": {}}
+              "prompts": len(PROMPTS), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
+              "n_embd": layout.n_embd, "configs": {}}
     base = samples.get("whole")
     for label, s in samples.items():
         entry = {"label": s.label, "rss_bytes": s.rss_bytes}
-        for key in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "hop_us_p50", "hop_us_p99", "seam_bytes_per_token"):
+        for key in ("prefill_tok_s", "decode_tok_s", "aggregate_decode_tok_s", "ttft_ms", "hop_us_p50", "hop_us_p99",
+                    "seam_bytes_per_token", "decode_seam_bytes_per_token", "decode_crossings_per_token"):
             entry[key] = summary(getattr(s, key))
         if base is not None:
             for key in ("prefill_tok_s", "decode_tok_s"):
                 entry[f"{key}_ratio"] = statistics.median(getattr(s, key)) / statistics.median(getattr(base, key))
+        if s.aggregate_decode_tok_s:
+            entry["aggregate_over_one_session"] = (statistics.median(s.aggregate_decode_tok_s)
+                                                   / statistics.median(s.decode_tok_s))
         report["configs"][label] = entry
+    for key in ("decode_tok_s", "aggregate_decode_tok_s"):
+        if "workers" in samples and "stages" in samples and getattr(samples["stages"], key):
+            report[f"workers_over_stages_{key}"] = (statistics.median(getattr(samples["workers"], key))
+                                                    / statistics.median(getattr(samples["stages"], key)))
     return report
 
 
@@ -119,21 +163,35 @@ def format_report(report: dict) -> str:
             return "-"
         return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
 
+    n = report["sessions"]
     lines = [f"{report['model']} ({report['model_sha256'][:12]}), stages {report['stages']}, "
-             f"{report['prompts']} prompts x {report['repeats']} repeats, {report['decode_tokens']} tokens decoded per run; "
-             "median [min-max]",
-             f"{'configuration':<24} {'prefill tok/s':>22} {'decode tok/s':>22} {'ratio':>6} {'TTFT ms':>20} "
-             f"{'hop p50 us':>18} {'hop p99 us':>18} {'seam B/tok':>10} {'RSS MiB':>14}"]
+             f"{report['prompts']} prompts x {report['repeats']} repeats, {report['decode_tokens']} tokens decoded per run"
+             f"{f', {n} concurrent sessions' if n > 1 else ''}, threads {report['threads'] or 'all'}; median [min-max]",
+             f"{'configuration':<24} {'prefill tok/s':>20} {'decode tok/s':>20} {'ratio':>6} "
+             + (f"{f'{n} sessions tok/s':>20} {'xone':>5} " if n > 1 else "")
+             + f"{'TTFT ms':>18} {'hop p50 us':>16} {'hop p99 us':>18} {'seam B/tok':>10} {'RSS MiB':>12}"]
     shared = [label for label in ("whole", "stages") if label in report["configs"]]
     for label, entry in report["configs"].items():
         ratio = entry.get("decode_tok_s_ratio")
         ratio = "-" if ratio is None else f"{ratio:.2f}"
         rss = "/".join(f"{r / (1 << 20):.0f}" for r in entry["rss_bytes"]) + ("*" if label in shared else "")
-        seam = entry["seam_bytes_per_token"]["median"] if entry["seam_bytes_per_token"] else 0
-        lines.append(f"{entry['label']:<24} {cell(entry['prefill_tok_s']):>22} {cell(entry['decode_tok_s']):>22} "
-                     f"{ratio:>6} {cell(entry['ttft_ms']):>20} "
-                     f"{cell(entry['hop_us_p50'], '{:.0f}'):>18} {cell(entry['hop_us_p99'], '{:.0f}'):>18} "
-                     f"{seam:>10.0f} {rss:>14}")
+        seam = entry["decode_seam_bytes_per_token"] or entry["seam_bytes_per_token"]
+        seam = seam["median"] if seam else 0
+        many = ""
+        if n > 1:
+            many = f"{cell(entry['aggregate_decode_tok_s']):>20} {entry.get('aggregate_over_one_session', 0):>5.2f} "
+        lines.append(f"{entry['label']:<24} {cell(entry['prefill_tok_s']):>20} {cell(entry['decode_tok_s']):>20} "
+                     f"{ratio:>6} {many}{cell(entry['ttft_ms']):>18} "
+                     f"{cell(entry['hop_us_p50'], '{:.0f}'):>16} {cell(entry['hop_us_p99'], '{:.0f}'):>18} "
+                     f"{seam:>10.0f} {rss:>12}")
+    for key, what in (("decode_tok_s", "one session"), ("aggregate_decode_tok_s", f"{n} sessions")):
+        if f"workers_over_stages_{key}" in report:
+            lines.append(f"workers / stages in one process, {what}: {report[f'workers_over_stages_{key}']:.3f}")
+    workers = report["configs"].get("workers")
+    if workers and workers["decode_seam_bytes_per_token"]:
+        lines.append(f"decode: {workers['decode_seam_bytes_per_token']['median']:.0f} B per token per seam "
+                     f"(4 x n_embd = {4 * report['n_embd']}), "
+                     f"{workers['decode_crossings_per_token']['median']:.2f} crossings per token per seam")
     if shared:
         lines.append("* one process runs every in-process configuration: its RSS covers all of them together")
     return "\n".join(lines)

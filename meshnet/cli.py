@@ -99,8 +99,7 @@ def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
     from .pipeline import LocalPipeline
 
-    # plain tuples until LocalPipeline takes LayerRange (the data-path rewrite)
-    with LocalPipeline(path, [r.as_tuple() for r in ranges], n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
+    with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
         prompt_tokens = pipe.head.tokenize(prompt)
         _check_context(len(prompt_tokens), max_tokens, n_ctx)
         on_token = (lambda t: stream(pipe.tail.detokenize_bytes([t]))) if stream else None
@@ -146,17 +145,21 @@ class _TextStreamer:
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens per session")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=8, show_default=True)
-@click.option("--max-queue", type=click.IntRange(min=1), default=None, help="forward requests waiting before 'busy'")
+@click.option("--max-queue", type=click.IntRange(min=1), default=None, help="steps waiting on the stage before 'busy'")
+@click.option("--data-bind", default="tcp://127.0.0.1:0", show_default=True,
+              help="where this stage takes its inputs from the previous stage (loopback unless you say otherwise)")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
 @click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
-def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, heartbeat_interval, heartbeat_liveness):
+def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, data_bind, heartbeat_interval,
+           heartbeat_liveness):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from .worker import StageWorker, WorkerConfig
 
     try:
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
-                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads)
+                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
+                              data_bind=data_bind)
         if max_queue is not None:
             config.max_queue = max_queue
         if heartbeat_interval is not None:
@@ -289,8 +292,10 @@ def _status_table(snapshot: dict) -> str:
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
 @click.option("--configs", default=",".join(("whole", "stages", "workers")), show_default=True,
               help="which of whole, stages, workers to run")
+@click.option("--sessions", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="also run N concurrent sessions in each configuration and report their aggregate decode rate")
 @click.option("--json", "as_json", is_flag=True)
-def bench(model_names, stages, repeats, n_decode, threads, configs, as_json):
+def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, as_json):
     """Whole model vs N stages in one process vs N worker processes, side by side."""
     from .bench import CONFIGS, format_report, run_bench
 
@@ -300,7 +305,7 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, as_json):
     reports = []
     try:
         for name in model_names.split(","):
-            report = run_bench(name, stages, repeats, n_decode, threads, chosen)
+            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions)
             reports.append(report)
             if not as_json:
                 click.echo(format_report(report))
