@@ -135,7 +135,7 @@ class SessionHandle:
             try:
                 kind, value = self._events.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise MeshnetError("timeout", f"session {self.sid} gave no result in time", session=self.sid) from None
+                raise MeshnetError(E.TIMEOUT, f"session {self.sid} gave no result in time", session=self.sid) from None
             if kind == "token":
                 self.tokens.append(value.token)
                 self.text += value.piece
@@ -194,9 +194,9 @@ class Coordinator:
             self.router.close(linger=0)
             self.ctx.term()
             if e.errno == errno.EADDRINUSE:
-                raise MeshnetError("address_in_use", f"cannot listen on {bind}: the address is already in use "
+                raise MeshnetError(E.ADDRESS_IN_USE, f"cannot listen on {bind}: the address is already in use "
                                    "(another coordinator?); choose another port with --bind") from None
-            raise MeshnetError("bad_address", f"cannot listen on {bind!r}: {e.strerror}; an address looks like "
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot listen on {bind!r}: {e.strerror}; an address looks like "
                                "tcp://127.0.0.1:5555") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         # the data plane: tokens and "chunk taken" from the stages come to this PULL,
@@ -411,7 +411,7 @@ class Coordinator:
             log.exception("coordinator: %s failed", what)
             if sid is None:
                 return
-            error = MeshnetError("internal", f"{what} failed: {type(e).__name__}: {e}", session=sid)
+            error = MeshnetError(E.INTERNAL, f"{what} failed: {type(e).__name__}: {e}", session=sid)
             session = self.sessions.get(sid)
             try:
                 if session is not None:

@@ -161,7 +161,7 @@ class StageWorker:
             sock.connect(self.config.coordinator)
         except zmq.ZMQError as e:
             sock.close(linger=0)
-            raise MeshnetError("bad_address", f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
                                "an address looks like tcp://127.0.0.1:5555") from None
         self.dealer = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
