@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 
-from meshnet.bench import format_report
+from meshnet.bench import PROMPTS, format_report
 from meshnet.cluster import LocalCluster
 from meshnet.metrics import MetricsServer
 
@@ -69,11 +69,14 @@ def test_bench_prints_all_three_configurations_with_spread():
     configs = report["configs"]
     assert set(configs) == {"whole", "stages", "workers"}
     for entry in configs.values():
-        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == 3
+        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROMPTS)
         assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
     assert configs["whole"]["decode_tok_s_ratio"] == 1.0
     assert configs["workers"]["hop_us_p50"]["median"] > 0
-    assert configs["workers"]["seam_bytes_per_token"]["median"] == 576 * 4
+    assert configs["stages"]["seam_bytes_per_token"]["median"] == 576 * 4
+    # through workers: one crossing of each seam per decode token, the rows and a header of at most 128 bytes
+    assert configs["workers"]["decode_crossings_per_token"]["median"] == 1.0
+    assert 576 * 4 < configs["workers"]["decode_seam_bytes_per_token"]["median"] <= 576 * 4 + 128
     assert len(configs["workers"]["rss_bytes"]) == 2
     # what a person reads: each configuration on its line with median [min-max]
     text = format_report(report)
@@ -98,5 +101,6 @@ def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
     assert "meshnet_hop_latency_us_p50" in text and 'meshnet_sessions_total{outcome="completed"} 1' in text
     tail = status["stages"][1]
     assert tail["stage"] == "[15,30)"
-    assert tail["seam_bytes"] == (len(prompt) + 3) * 576 * 4  # the prompt, then 3 decode steps, f32 rows
+    # the prompt, then 3 decode steps: f32 rows and a header of at most 128 bytes each
+    assert 0 < tail["seam_bytes"] - (len(prompt) + 3) * 576 * 4 <= 4 * 128
     assert tail["model_bytes"] > 0 and tail["forwards"] == 4 and tail["rss_bytes"] > tail["model_bytes"]
