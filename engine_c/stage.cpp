@@ -367,9 +367,19 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 format("a forward call of %lld rows is larger than the stage's n_batch of %d", (long long) n_rows, info.n_batch));
     }
 
-    llama_batch_ext_clear(stage->batch);
-    std::vector<int32_t> last_row(n_entries);
+    // rows go into the batch in sequence order: with a KV stream per session, llama.cpp
+    // puts sessions in one micro-batch only when their sequence ids follow each other in
+    // the batch (0, 1, 2, ...); in any other order each session would be computed alone
+    std::vector<int32_t> order(n_entries);
     for (int32_t i = 0; i < n_entries; ++i) {
+        order[i] = i;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
+    });
+    llama_batch_ext_clear(stage->batch);
+    std::vector<int32_t> first_row(n_entries), last_row(n_entries);
+    for (const int32_t i : order) {
         const meshnet_entry & e = entries[i];
         const llama_seq_id seq = stage->seq_of(stage->find(e.session_id));
         for (int32_t t = 0; t < e.n_tokens; ++t) {
@@ -381,6 +391,9 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
             }
             const llama_pos pos = e.pos + t;
             llama_batch_ext_set_pos(stage->batch, idx, &pos);
+            if (t == 0) {
+                first_row[i] = idx;
+            }
             last_row[i] = idx;
         }
         if (info.is_tail) {
@@ -436,20 +449,25 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
             }
         }
     } else {
-        for (int64_t r = 0; r < n_rows; ++r) {
-            const float * row = llama_get_embeddings_ith(stage->ctx, (int32_t) r);
-            if (!row) {
-                roll_back();
-                return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
+        // the residual goes out in entry order, whatever order the batch had
+        int64_t out_row = 0;
+        for (int32_t i = 0; i < n_entries; ++i) {
+            for (int32_t t = 0; t < entries[i].n_tokens; ++t, ++out_row) {
+                const float * row = llama_get_embeddings_ith(stage->ctx, first_row[i] + t);
+                if (!row) {
+                    roll_back();
+                    return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
+                }
+                const int64_t bad = first_bad_value(row, info.n_embd, MAX_RESIDUAL_ABS);
+                if (bad >= 0) {
+                    roll_back();
+                    return stage->fail(MESHNET_ERR_BAD_VALUE,
+                            format("residual row %lld came out as %g in column %lld, not a finite value within +-%g; "
+                                   "nothing was kept", (long long) out_row, (double) row[bad], (long long) bad,
+                                   (double) MAX_RESIDUAL_ABS));
+                }
+                std::memcpy(out->residual + (size_t) out_row * info.n_embd, row, sizeof(float) * info.n_embd);
             }
-            const int64_t bad = first_bad_value(row, info.n_embd, MAX_RESIDUAL_ABS);
-            if (bad >= 0) {
-                roll_back();
-                return stage->fail(MESHNET_ERR_BAD_VALUE,
-                        format("residual row %lld came out as %g in column %lld, not a finite value within +-%g; "
-                               "nothing was kept", (long long) r, (double) row[bad], (long long) bad, (double) MAX_RESIDUAL_ABS));
-            }
-            std::memcpy(out->residual + (size_t) r * info.n_embd, row, sizeof(float) * info.n_embd);
         }
     }
 
