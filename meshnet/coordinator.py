@@ -114,13 +114,28 @@ class Session:
         return self.route[stage].offer.label
 
 
+class SessionEvents(queue.Queue):
+    """A session's events for its caller; `ended` is set with the last one, so that a
+    caller waiting for the whole result sleeps until then instead of waking per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.ended = threading.Event()
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        if item[0] != "token":
+            self.ended.set()
+
+
 class SessionHandle:
     """A caller's view of one generation: iterate for tokens as they come, or wait for
     the result. Errors arrive as MeshnetError (code stage_lost, cancelled, ...)."""
 
-    def __init__(self, coordinator: "Coordinator", sid: int, events: queue.Queue):
+    def __init__(self, coordinator: "Coordinator", sid: int, events: SessionEvents):
         self.coordinator, self.sid, self._events = coordinator, sid, events
         self.tokens: list[int] = []
+        self.token_times: list[float] = []   # time.perf_counter() as each token reached the coordinator
         self.logits: list[np.ndarray] = []
         self.text = b""
         self.metrics: dict = {}
@@ -144,14 +159,16 @@ class SessionHandle:
                 yield value
             elif kind == "done":
                 self._done = True
-                self.stop_reason, self.metrics = value
+                self.stop_reason, self.metrics, self.token_times = value
             else:
                 self._done = True
                 raise value
 
     def result(self, timeout: float | None = None) -> "SessionHandle":
         """Wait for the whole generation; MeshnetError(timeout) if it takes over `timeout` s."""
-        for _ in self._events_until(None if timeout is None else time.monotonic() + timeout):
+        if not self._events.ended.wait(timeout):
+            raise MeshnetError(E.TIMEOUT, f"session {self.sid} gave no result in time", session=self.sid)
+        for _ in self._events_until(None):
             pass
         return self
 
@@ -286,7 +303,7 @@ class Coordinator:
         gen = Generation(list(prompt_tokens), StopRule(max_tokens, stop_at_eog), prefill_chunk or self.prefill_chunk,
                          tail_feeds_head=True)   # checks the request before anything starts
         sid = next(self._sids)
-        events: queue.Queue = queue.Queue()
+        events = SessionEvents()
         self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, gen, want_logits, events,
                                              sid=sid, events=events))
         return SessionHandle(self, sid, events)
@@ -633,6 +650,7 @@ class Coordinator:
                                               f"tokens exceed the route's context of {n_ctx}", session=sid)))
             return
         gen.chunk = min(gen.chunk, *(w.capability["n_batch"] for w in route))
+        gen.depth = len(route)
         session = Session(sid, secrets.randbits(63), route, gen, want_logits, events, now() + self.request_timeout)
         self.sessions[sid] = session
         last = len(route) - 1
@@ -702,9 +720,11 @@ class Coordinator:
             return
         session.deadline = now() + self.request_timeout
         if msg.type == P.TOOK:
-            self._act(session, session.gen.head_took(msg["pos"], msg["n"]))
-            if session.gen.prompt_fed >= len(session.gen.prompt):
-                session.waiting_on = None   # the rest of the prompt is in the stages after the head
+            if msg.get("head"):
+                session.waiting_on = None   # the chunk is past the head (a next chunk for it says so again)
+                self._act(session, session.gen.head_took(msg["pos"], msg["n"]))
+            if msg.get("tail") and msg["pos"] + msg["n"] < len(session.gen.prompt):
+                self._act(session, session.gen.tail_gave(msg["pos"], msg["n"], 0, False))
             return
         decoding = session.gen.state == "decode"
         for seam, hop_us, nbytes in msg.get("seams", ()):
@@ -775,7 +795,7 @@ class Coordinator:
     def _finish(self, session: Session, reason: str) -> None:
         self.counters["sessions_completed"] += 1
         self._end(session, None, P.RELEASE)
-        session.events.put(("done", (reason, self._metrics(session))))
+        session.events.put(("done", (reason, self._metrics(session), list(session.gen.token_times))))
 
     def _fail(self, session: Session, error: MeshnetError, skip_stage: int | None = None, cancel: bool = False) -> None:
         if session.finished:

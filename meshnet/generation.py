@@ -5,12 +5,16 @@ A driver feeds it events and carries out the actions it returns:
 
     opened()                          -> [FeedHead(first prompt chunk)]
     head_took(pos, n)                 -> [FeedHead(next chunk)] while the prompt lasts
-    tail_gave(pos, n, token, is_eog)  -> [] for a prompt chunk before the last, else
-                                         [Token(t), FeedHead(decode step) | Finish(reason)]
+    tail_gave(pos, n, token, is_eog)  -> a prompt chunk before the last: [FeedHead(next
+                                         chunk)] when that makes room, else [];
+                                         then [Token(t), FeedHead(decode step) | Finish(reason)]
     failed()                          -> [Finish("error")]
 
 The pipelining rule: chunk k+1 enters the head as soon as the head has taken chunk k,
-so that the head reads the prompt while later stages work on what it already read.
+so that the head reads the prompt while later stages work on what it already read, as
+long as fewer than `depth` chunks (one per stage) are between the head and the end of
+the tail: a head faster than the stages after it never floods their queues. The tail
+reports each prompt chunk it finished (tail_gave; before the last one there is no token).
 On a ring (workers), the tail itself sends each decode step to the head: the driver
 at the coordinator then gets no FeedHead for decode steps (`tail_feeds_head`), and the
 tail decides to go on with the same StopRule, so both ends agree on the last token.
@@ -77,11 +81,15 @@ class Generation:
     rule: StopRule
     chunk: int
     tail_feeds_head: bool = False
+    depth: int = 2                    # prompt chunks in flight at most: the number of stages
     clock: Callable[[], float] = time.perf_counter
     tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)   # the clock as each token came
     state: str = "opening"            # opening | prefill | decode | done
     stop_reason: str | None = None
     prompt_fed: int = 0               # prompt tokens handed to the head so far
+    head_done: int = 0                # ... taken by the head
+    tail_done: int = 0                # ... finished by the tail
     t_start: float | None = None
     t_first: float | None = None
     t_end: float | None = None
@@ -91,8 +99,8 @@ class Generation:
             raise MeshnetError(E.INVALID_ARGUMENT, "the prompt has no tokens")
         if self.rule.max_tokens < 1:
             raise MeshnetError(E.INVALID_ARGUMENT, "max_tokens must be at least 1")
-        if self.chunk < 1:
-            raise MeshnetError(E.INVALID_ARGUMENT, "a prompt chunk holds at least one token")
+        if self.chunk < 1 or self.depth < 1:
+            raise MeshnetError(E.INVALID_ARGUMENT, "a prompt chunk holds at least one token, a pipeline one stage")
 
     @property
     def done(self) -> bool:
@@ -106,24 +114,30 @@ class Generation:
 
     def head_took(self, pos: int, n: int) -> list[Action]:
         """The head has taken the prompt chunk at pos: the next one may enter it."""
-        if self.state != "prefill" or pos + n != self.prompt_fed or self.prompt_fed >= len(self.prompt):
-            return []  # a decode step, or the last chunk: nothing more to feed
-        return [self._next_chunk()]
+        if self.state != "prefill":
+            return []  # a decode step
+        self.head_done = max(self.head_done, pos + n)
+        return self._feed_prompt()
 
     def tail_gave(self, pos: int, n: int, token: int, is_eog: bool) -> list[Action]:
         """The tail has computed rows [pos, pos + n) and their greedy next token."""
         if self.state == "done":
             return []
-        if pos + n < len(self.prompt):
-            return []  # a prompt chunk before the last: its token predicts a prompt token
+        if pos + n < len(self.prompt):  # a prompt chunk before the last: its token predicts a prompt token
+            if self.state != "prefill":
+                return []
+            self.tail_done = max(self.tail_done, pos + n)
+            return self._feed_prompt()
         self._expect("prefill", "decode")
+        now = self.clock()
         if self.state == "prefill":
             self.state = "decode"
-            self.t_first = self.clock()
+            self.t_first = now
         self.tokens.append(token)
+        self.token_times.append(now)
         reason = self.rule.reason(len(self.tokens), is_eog)
         if reason is not None:
-            return [Token(token), *self._finish(reason)]
+            return [Token(token), *self._finish(reason, now)]
         if self.tail_feeds_head:
             return [Token(token)]
         return [Token(token), FeedHead(pos + n, (token,), prompt=False)]
@@ -139,16 +153,23 @@ class Generation:
 
     # internals
 
+    def _feed_prompt(self) -> list[Action]:
+        """The next prompt chunk, if the head is free for it and the pipeline has room."""
+        if self.prompt_fed >= len(self.prompt) or self.head_done < self.prompt_fed:
+            return []
+        in_flight = -(-(self.prompt_fed - self.tail_done) // self.chunk)
+        return [self._next_chunk()] if in_flight < self.depth else []
+
     def _next_chunk(self) -> FeedHead:
         at = self.prompt_fed
         piece = tuple(self.prompt[at : at + self.chunk])
         self.prompt_fed += len(piece)
         return FeedHead(at, piece, prompt=True)
 
-    def _finish(self, reason: str) -> list[Action]:
+    def _finish(self, reason: str, now: float | None = None) -> list[Action]:
         self.state = "done"
         self.stop_reason = reason
-        self.t_end = self.clock()
+        self.t_end = self.clock() if now is None else now
         return [Finish(reason)]
 
     def _expect(self, *states: str) -> None:

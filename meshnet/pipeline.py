@@ -39,6 +39,7 @@ class Completion:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)   # one row per generated token, when kept
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() as each token came
     stop_reason: str | None = None
     metrics: dict = field(default_factory=dict)
     error: MeshnetError | None = None
@@ -132,7 +133,8 @@ class LocalPipeline:
         waiting = [collections.deque() for _ in self.stages]
         try:
             for request in requests:
-                gen = Generation(list(request.prompt_tokens), StopRule(request.max_tokens, request.stop_at_eog), chunk)
+                gen = Generation(list(request.prompt_tokens), StopRule(request.max_tokens, request.stop_at_eog), chunk,
+                                 depth=len(self.stages))
                 run = _Running(next(self._sids), request, gen, Completion(list(request.prompt_tokens)))
                 for stage in self.stages:
                     stage.open_session(run.sid)
@@ -152,6 +154,7 @@ class LocalPipeline:
                         pass
         for run in running:
             run.completion.stop_reason = run.gen.stop_reason
+            run.completion.token_times = run.gen.token_times
             run.completion.metrics = run.gen.metrics(self.ranges, run.seam_bytes)
         return [run.completion for run in running]
 

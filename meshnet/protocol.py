@@ -45,7 +45,7 @@ OK = "ok"                  # reply with no payload (open, cancel, release, healt
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane
 ACT = "act"                # -> a stage: token ids (head) or residual rows of one session, to run
-TOOK = "took"              # head -> coordinator: a prompt chunk is taken, the next may come
+TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken / done, the next may come
 TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -165,7 +165,14 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "ts": (INT, False, _u64),                  # the sender's monotonic clock at sending, ns
         "seams": (LIST, False, _seams),            # [seam, hop_us, bytes] for each seam this step crossed
     },
-    TOOK: {"sid": (INT, True, _u64), "key": (INT, True, _u64), "pos": (INT, True, _nonneg), "n": (INT, True, _positive)},
+    TOOK: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "head": (BOOL, False, None),               # the head has taken the chunk (it asked: ack)
+        "tail": (BOOL, False, None),               # the tail has finished it (a chunk before the prompt's last)
+    },
     TOKEN: {
         "sid": (INT, True, _u64),
         "key": (INT, True, _u64),

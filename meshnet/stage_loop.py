@@ -12,6 +12,7 @@ through a job queue, woken by an inproc pair that also carries the replies back.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .generation import StopRule, tail_step
 from .metrics import percentiles
 
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
+HOPS_PERIOD = 1.0         # seconds between hop percentiles in them (a sort of up to HOPS_KEPT values)
 DATA_HWM = 1000           # ZeroMQ high-water mark of the data sockets, messages
 RECV_BURST = 256          # data messages read before computing: all that is waiting, within reason
 HOPS_KEPT = 10_000
@@ -76,7 +78,7 @@ class Input:
 
 class StageLoop(threading.Thread):
     def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
-                 max_queue: int, max_payload: int, test_fault: str | None = None):
+                 max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None):
         super().__init__(name="meshnet-stage", daemon=True)
         self.stage = stage
         self.info = stage.info()
@@ -84,6 +86,7 @@ class StageLoop(threading.Thread):
         self.max_queue = max_queue
         self.max_payload = max_payload
         self.test_fault = test_fault
+        self.cpu = cpu
         self.jobs: collections.deque[Job | None] = collections.deque()
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.connect(control_endpoint)
@@ -114,7 +117,8 @@ class StageLoop(threading.Thread):
         self.seam_bytes_in = 0
         self.hops_us: collections.deque = collections.deque(maxlen=HOPS_KEPT)
         self.stats: dict = {}      # a snapshot, read by the socket loop
-        self._stats_at = 0.0
+        self._stats_at = self._hops_at = 0.0
+        self._hops = percentiles(())
         self._refresh_stats()
 
     # ---- called from the socket loop ---------------------------------------------------
@@ -134,6 +138,8 @@ class StageLoop(threading.Thread):
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})   # this thread only; the engine's other threads keep theirs
         poller = zmq.Poller()
         poller.register(self.pair, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
@@ -177,7 +183,11 @@ class StageLoop(threading.Thread):
             info = self.stage.info()
         except MeshnetError:
             return
-        hops = percentiles(self.hops_us)
+        now = time.monotonic()
+        if now - self._hops_at > HOPS_PERIOD:
+            self._hops = percentiles(self.hops_us)
+            self._hops_at = now
+        hops = self._hops
         # one assignment: the socket loop reads whole snapshots, never a half-written one
         self.stats = {
             "layers": [info.layer_start, info.layer_end],
@@ -197,7 +207,7 @@ class StageLoop(threading.Thread):
             "errors": dict(self.errors),
             "data_endpoint": self.data_endpoint,
         }
-        self._stats_at = time.monotonic()
+        self._stats_at = now
 
     # ---- control jobs --------------------------------------------------------------------
 
@@ -363,8 +373,13 @@ class StageLoop(threading.Thread):
             if result.error.code != E.ABORTED:
                 self._session_failed(session, result.error)
             return
-        if self.info.is_head and inp.ack:
-            self._send(session, session.reply, P.encode(P.TOOK, 0, sid=step.sid, key=session.key, pos=step.pos, n=step.n))
+        head_took = self.info.is_head and inp.ack
+        # the tail says when it finished a prompt chunk before the last: the coordinator
+        # feeds the head no faster than the stages after it can follow
+        tail_took = self.info.is_tail and step.pos + step.n < session.prompt_len
+        if head_took or tail_took:
+            self._send(session, session.reply, P.encode(P.TOOK, 0, sid=step.sid, key=session.key, pos=step.pos,
+                                                        n=step.n, head=head_took or None, tail=tail_took or None))
         if not self.info.is_tail:
             self._send(session, session.next_hop,
                        P.encode(P.ACT, 0, payload=P.f32_payload(result.residual), sid=step.sid, key=session.key,

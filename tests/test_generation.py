@@ -18,9 +18,9 @@ def ticking_clock():
     return lambda: float(next(ticks))
 
 
-def gen(prompt_len=10, max_tokens=4, chunk=4, stop_at_eog=True, ring=False):
+def gen(prompt_len=10, max_tokens=4, chunk=4, stop_at_eog=True, ring=False, depth=2):
     return Generation(list(range(100, 100 + prompt_len)), StopRule(max_tokens, stop_at_eog), chunk,
-                      tail_feeds_head=ring, clock=ticking_clock())
+                      tail_feeds_head=ring, depth=depth, clock=ticking_clock())
 
 
 def run_to_end(g, tokens):
@@ -42,11 +42,22 @@ def run_to_end(g, tokens):
 
 def test_the_prompt_goes_to_the_head_in_chunks_each_once_the_previous_was_taken():
     g = gen(prompt_len=10, chunk=4)
+    g.depth = 3
     assert g.opened() == [FeedHead(0, (100, 101, 102, 103), prompt=True)]
     assert g.head_took(0, 4) == [FeedHead(4, (104, 105, 106, 107), prompt=True)]
     assert g.head_took(4, 4) == [FeedHead(8, (108, 109), prompt=True)]
     assert g.head_took(8, 2) == []            # the last chunk: nothing more to feed
     assert g.head_took(0, 4) == []            # a repeated report changes nothing
+
+
+def test_no_more_chunks_are_in_flight_than_the_pipeline_has_stages():
+    g = gen(prompt_len=20, chunk=4)           # depth 2: a two-stage route
+    assert g.opened() == [FeedHead(0, (100, 101, 102, 103), prompt=True)]
+    assert g.head_took(0, 4) == [FeedHead(4, (104, 105, 106, 107), prompt=True)]
+    assert g.head_took(4, 4) == []            # chunks 0 and 1 are in the tail's hands: wait
+    assert g.tail_gave(0, 4, 7, False) == [FeedHead(8, (108, 109, 110, 111), prompt=True)]
+    assert g.tail_gave(4, 4, 7, False) == []  # the head has not taken chunk 2 yet
+    assert g.head_took(8, 4) == [FeedHead(12, (112, 113, 114, 115), prompt=True)]
 
 
 def test_prompt_chunks_before_the_last_give_no_token():
@@ -107,7 +118,7 @@ def test_a_failure_finishes_it_once_and_later_results_are_ignored():
     assert g.failed() == [] and g.tail_gave(8, 2, 5, False) == [] and g.stop_reason == "error"
 
 
-@pytest.mark.parametrize("bad", [dict(prompt_len=0), dict(max_tokens=0), dict(chunk=0)])
+@pytest.mark.parametrize("bad", [dict(prompt_len=0), dict(max_tokens=0), dict(chunk=0), dict(depth=0)])
 def test_an_impossible_request_is_refused_before_anything_starts(bad):
     with pytest.raises(MeshnetError) as err:
         gen(**bad)
