@@ -32,6 +32,7 @@ PROMPTS = [
     "single grey lake, with only the tops of the fences showing where the roads had been.",
 ]
 CONFIGS = ("whole", "stages", "workers")
+CONCURRENT_DECODE = 2   # concurrent sessions decode this many times --decode: a window when all decode at once
 
 
 @dataclass
@@ -61,12 +62,16 @@ class Samples:
             self.decode_seam_bytes_per_token.append(metrics["decode_seam_bytes_per_token"])
             self.decode_crossings_per_token.append(metrics["decode_crossings_per_token"])
 
-    def add_concurrent(self, many: list[dict]) -> None:
-        """N sessions that ran together: every decoded token over the time from the first
-        session's first token to the last session's end."""
-        decoded = sum(m["generated_tokens"] - 1 for m in many)
-        span = max(m["t_end_s"] for m in many) - min(m["t_first_s"] for m in many)
-        self.aggregate_decode_tok_s.append(decoded / span)
+    def add_concurrent(self, token_times: list[list[float]]) -> None:
+        """N sessions that ran together: the tokens they gave while every one of them was
+        decoding (from the last session's first token to the first session's last), over
+        that time. Prompts read meanwhile by other sessions stay out of the figure."""
+        start = max(times[0] for times in token_times)
+        end = min(times[-1] for times in token_times)
+        if end <= start:
+            raise ValueError("the sessions never decoded all at once: decode more tokens (--decode)")
+        decoded = sum(start < t <= end for times in token_times for t in times)
+        self.aggregate_decode_tok_s.append(decoded / (end - start))
 
 
 def summary(values: list[float]) -> dict | None:
@@ -85,8 +90,8 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
 
     def in_process(pipe):
         runners[label] = lambda tokens: pipe.generate(tokens, n_decode + 1, stop_at_eog=False).metrics
-        concurrent[label] = lambda prompts: [c.metrics for c in pipe.generate_many(
-            [Request(t, n_decode + 1, stop_at_eog=False) for t in prompts])]
+        concurrent[label] = lambda prompts: [c.token_times for c in pipe.generate_many(
+            [Request(t, CONCURRENT_DECODE * n_decode, stop_at_eog=False) for t in prompts])]
 
     try:
         if "whole" in configs:
@@ -107,8 +112,8 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             coordinator = cluster.coordinator
             runners["workers"] = lambda tokens: coordinator.generate(tokens, n_decode + 1,
                                                                      stop_at_eog=False).result().metrics
-            concurrent["workers"] = lambda prompts: [h.result().metrics for h in [
-                coordinator.generate(t, n_decode + 1, stop_at_eog=False) for t in prompts]]
+            concurrent["workers"] = lambda prompts: [h.result().token_times for h in [
+                coordinator.generate(t, CONCURRENT_DECODE * n_decode, stop_at_eog=False) for t in prompts]]
             samples["workers"] = Samples(f"{n_stages} worker processes")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
         prompt_tokens = [tokenizer.tokenize(p) if tokenizer else cluster.coordinator.tokenize(p) for p in PROMPTS]

@@ -148,9 +148,12 @@ class _TextStreamer:
 @click.option("--max-queue", type=click.IntRange(min=1), default=None, help="steps waiting on the stage before 'busy'")
 @click.option("--data-bind", default="tcp://127.0.0.1:0", show_default=True,
               help="where this stage takes its inputs from the previous stage (loopback unless you say otherwise)")
+@click.option("--cpu", type=click.IntRange(min=0), default=None,
+              help="pin the data path (the stage loop and ZeroMQ's I/O thread) to this CPU; with several stages on "
+                   "one machine, give each its own")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
 @click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
-def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, data_bind, heartbeat_interval,
+def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
            heartbeat_liveness):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from .worker import StageWorker, WorkerConfig
@@ -159,7 +162,7 @@ def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, 
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind)
+                              data_bind=data_bind, cpu=cpu)
         if max_queue is not None:
             config.max_queue = max_queue
         if heartbeat_interval is not None:

@@ -107,6 +107,7 @@ class LocalCluster:
         heartbeat_interval: float | None = None,
         heartbeat_liveness: int | None = None,
         worker_log: str | None = None,
+        pin_cpus: bool = True,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -118,6 +119,8 @@ class LocalCluster:
         if heartbeat_liveness is not None:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
+        # each stage's data path on its own CPU (stage i on CPU i, round the machine's CPUs)
+        self.pin_cpus = pin_cpus and len(os.sched_getaffinity(0)) > 1
         self.coordinator = Coordinator(**coordinator_options)
         # keyed by the plain (start, end), so a test can say processes[(0, 15)]
         self.processes: dict[tuple[int, int], subprocess.Popen] = {}
@@ -131,6 +134,10 @@ class LocalCluster:
         for name, value in self.worker_options.items():
             if value is not None:
                 args += [f"--{name}", str(value)]
+        if self.pin_cpus:
+            cpus = sorted(os.sched_getaffinity(0))
+            index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
+            args += ["--cpu", str(cpus[index % len(cpus)])]
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_die_with_parent)

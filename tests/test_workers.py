@@ -109,6 +109,9 @@ def test_worker_processes_give_whole_model_tokens_and_bit_identical_logits(smoll
     assert session.tokens == expected.tokens
     assert len(session.logits) == 32
     assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, expected.logits)) == 0.0
+    # stage to stage: every seam crossed once per step (the prompt in one chunk, then 31 decode steps)
+    assert session.metrics["seam_crossings"] == [32] * (len(ranges) - 1)
+    assert session.metrics["decode_crossings_per_token"] == 1.0
 
 
 def test_four_concurrent_sessions_are_batched_and_each_gives_its_own_tokens_and_bit_identical_logits(smollm2_path,
