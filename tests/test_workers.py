@@ -128,6 +128,17 @@ def test_four_concurrent_sessions_are_batched_and_each_gives_its_own_tokens_and_
         assert stage["batched_entries"] > stage["forwards"]
 
 
+def test_a_failing_step_among_concurrent_sessions_ends_only_its_own_session(smollm2_path, reference):
+    with cluster(smollm2_path, HALVES) as c:
+        good = [c.coordinator.generate(reference[p][0], 32, stop_at_eog=False) for p in PROMPTS[:3]]
+        bad = c.coordinator.generate(reference[PROMPTS[3]][0] + [10 ** 6], 32)   # a token id past the vocabulary
+        with pytest.raises(MeshnetError) as err:
+            bad.result(30)
+        assert err.value.code == "bad_token" and err.value.context["stage"] == "[0,15)"
+        for prompt, session in zip(PROMPTS, good):
+            assert session.result(60).tokens == reference[prompt][1].tokens
+
+
 # cancellation
 
 
