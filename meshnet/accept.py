@@ -27,7 +27,6 @@ from .engine import engine_pin
 from . import errors
 from .errors import MeshnetError
 from .gguf_layout import read_layout
-from .layers import even_ranges
 from .pipeline import LocalPipeline
 
 SCHEMA_VERSION = 1
@@ -116,7 +115,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
     started = datetime.datetime.now(datetime.timezone.utc)
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
-    ranges = even_ranges(layout.n_layer, 2)
+    ranges = layout.balanced_ranges(2)
     checks = Checks()
     metrics: dict = {}
     commands = [" ".join(["meshnet", *sys.argv[1:]]) if Path(sys.argv[0]).name == "meshnet" else " ".join(sys.argv)]

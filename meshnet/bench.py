@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from . import models
 from .cluster import LocalCluster
 from .gguf_layout import read_layout
-from .layers import even_ranges
+
 from .metrics import rss_bytes
 from .pipeline import LocalPipeline, Request
 
@@ -84,7 +84,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
               sessions: int = 1) -> dict:
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
-    ranges = even_ranges(layout.n_layer, n_stages)
+    ranges = layout.balanced_ranges(n_stages)
     options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads)
     runners, concurrent, closers, samples = {}, {}, [], {}
 

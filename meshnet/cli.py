@@ -42,7 +42,7 @@ def _usage_error(parse):
 
 @main.command()
 @click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
-@click.option("--stages", type=click.IntRange(min=1), default=None, help="split the layers evenly into N stages [default: 2]")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
 @click.option("--split", "split", default=None, callback=_usage_error(parse_seams),
               help="seams, e.g. 15 for [0,15)+[15,n) or 10,20 for three stages")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True, help="raw text, tokenized as llama.cpp does for the model")
@@ -55,7 +55,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
     """Generate greedily from PROMPT with the model split into stages (worker processes on this machine)."""
     from .gguf_layout import read_layout
     from .engine import utf8_or_error
-    from .layers import even_ranges, ranges_from_seams
+    from .layers import ranges_from_seams
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
@@ -66,7 +66,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
         ranges = (
             ranges_from_seams(layout.n_layer, split)
             if split is not None
-            else even_ranges(layout.n_layer, stages or 2)
+            else layout.balanced_ranges(stages or 2)
         )
         stream = None if as_json else _TextStreamer(prompt)
         runner = _run_in_process if in_process else _run_on_workers

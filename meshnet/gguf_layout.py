@@ -16,6 +16,7 @@ import gguf
 
 from . import errors
 from .errors import MeshnetError
+from .layers import LayerRange, balanced_ranges
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _INPUT_TENSORS = ("token_embd.", "token_types.", "position_embd.")
@@ -36,6 +37,14 @@ class ModelLayout:
     tied_embeddings: bool   # no output matrix: the tail reuses token_embd
     token_embd_bytes: int
     quant_types: dict[str, int] = field(default_factory=dict)
+    layer_weights: list[int] = field(default_factory=list)   # weights each layer multiplies per token
+    output_weights: int = 0   # ... the output matrix (token_embd when tied): the tail's extra work
+
+    def balanced_ranges(self, n_stages: int) -> list[LayerRange]:
+        """n_stages ranges with as even a share of the per-token work as whole layers allow
+        (the tail's share includes the output matrix): pipelined stages go at the pace of
+        the slowest."""
+        return balanced_ranges(self.layer_weights, self.output_weights, n_stages)
 
     def stage_bytes(self, start: int, end: int) -> int:
         """Weight bytes a stage [start, end) loads."""
@@ -133,7 +142,9 @@ def _read_layout(path: str) -> ModelLayout:
     n_vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
 
     layer_bytes = [0] * n_layer
+    layer_weights = [0] * n_layer
     input_bytes = output_bytes = shared_bytes = token_embd_bytes = 0
+    output_weights = token_embd_weights = 0
     has_output = False
     quant = Counter()
     for t in reader.tensors:
@@ -141,13 +152,17 @@ def _read_layout(path: str) -> ModelLayout:
         quant[t.tensor_type.name] += 1
         if m := _LAYER.match(t.name):
             layer_bytes[int(m.group(1))] += n
+            layer_weights[int(m.group(1))] += int(t.n_elements)
         elif t.name.startswith(_INPUT_TENSORS):
             input_bytes += n
             if t.name.startswith("token_embd."):
                 token_embd_bytes += n
+                token_embd_weights += int(t.n_elements)
         elif t.name.startswith(("output.", "output_norm.")):
             output_bytes += n
             has_output |= t.name.startswith("output.")
+            if t.name.startswith("output."):
+                output_weights += int(t.n_elements)
         else:
             shared_bytes += n
 
@@ -165,4 +180,6 @@ def _read_layout(path: str) -> ModelLayout:
         tied_embeddings=not has_output,
         token_embd_bytes=token_embd_bytes,
         quant_types=dict(quant.most_common()),
+        layer_weights=layer_weights,
+        output_weights=output_weights if has_output else token_embd_weights,
     )

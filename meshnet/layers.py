@@ -7,6 +7,7 @@ always a possible range: 0 <= start < end, and end <= n_layer once the model is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -81,6 +82,40 @@ def even_ranges(n_layer: int, n_stages: int) -> list[LayerRange]:
     if not 1 <= n_stages <= n_layer:
         raise MeshnetError(BAD_RANGE, f"cannot split {n_layer} layers into {n_stages} stages")
     bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
+    return [LayerRange(a, b, n_layer) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def balanced_ranges(layer_work: Sequence[int], tail_work: int, n_stages: int) -> list[LayerRange]:
+    """n_stages contiguous ranges over len(layer_work) layers whose largest share of the
+    work (the last range also does tail_work) is as small as it can be; among equally good
+    splits, the one whose shares differ least. Exhaustive over seams: models have tens of
+    layers and routes a few stages."""
+    n_layer = len(layer_work)
+    if not 1 <= n_stages <= n_layer:
+        raise MeshnetError(BAD_RANGE, f"cannot split {n_layer} layers into {n_stages} stages")
+    prefix = [0]
+    for w in layer_work:
+        prefix.append(prefix[-1] + w)
+
+    def shares(bounds):
+        work = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        work[-1] += tail_work
+        return max(work), max(work) - min(work)
+
+    @functools.lru_cache(maxsize=None)
+    def best(start: int, stages: int) -> tuple[tuple[int, int], tuple[int, ...]]:
+        """The best seams for layers [start, n_layer) in `stages` ranges: (score, bounds)."""
+        if stages == 1:
+            bounds = (start, n_layer)
+            return shares(bounds), bounds
+        options = []
+        for seam in range(start + 1, n_layer - stages + 2):
+            _, rest = best(seam, stages - 1)
+            bounds = (start, *rest)
+            options.append((shares(bounds), bounds))
+        return min(options)
+
+    _, bounds = best(0, n_stages)
     return [LayerRange(a, b, n_layer) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

@@ -26,7 +26,7 @@ def last_json_line(stdout):
 def test_run_with_no_arguments_splits_the_default_model_and_continues_the_prompt(smollm2_path):
     result = meshnet("run")
     assert result.returncode == 0, result.stderr
-    assert "2 stages [0,15) [15,30) as worker processes" in result.stderr
+    assert "2 stages [0,19) [19,30) as worker processes" in result.stderr  # even shares of the work
     assert "decode" in result.stderr and "tok/s" in result.stderr
     # the continuation is the whole model's, streamed piece by piece (the same default
     # thread count, one per core, gives the same floats); not just any text
@@ -51,10 +51,12 @@ def test_run_json_gives_the_whole_model_tokens(smollm2_path):
         assert report["metrics"][key] > 0
 
 
-def test_run_stages_flag_splits_evenly():
+def test_run_stages_flag_splits_the_work_evenly():
     result = meshnet("run", "--json", "--stages", "3", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
-    assert last_json_line(result.stdout)["metrics"]["stages"] == [[0, 10], [10, 20], [20, 30]]
+    # SmolLM2's output matrix (tied to its 49152 x 576 embeddings) is worth 8 of its layers:
+    # the tail holds fewer layers
+    assert last_json_line(result.stdout)["metrics"]["stages"] == [[0, 12], [12, 25], [25, 30]]
 
 
 def test_run_refuses_a_split_outside_the_model_with_the_code_and_its_exit_status():

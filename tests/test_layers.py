@@ -3,7 +3,7 @@
 import pytest
 
 from meshnet.errors import BAD_RANGE, MeshnetError
-from meshnet.layers import LayerRange, even_ranges, parse_seams, ranges_from_seams
+from meshnet.layers import LayerRange, balanced_ranges, even_ranges, parse_seams, ranges_from_seams
 
 
 def refused(fn, *args, **kwargs) -> str:
@@ -107,3 +107,16 @@ def test_parse_seams_reads_a_comma_separated_list():
     assert parse_seams(" 10 , 20 ,") == [10, 20]
     assert "comma-separated list of layer numbers" in refused(parse_seams, "10;20")
     assert "comma-separated list of layer numbers" in refused(parse_seams, "ten")
+
+
+def test_balanced_ranges_give_the_tail_fewer_layers_for_its_output_matrix():
+    # ten layers of work 10; the output matrix is worth 20: [0,6) = 60 and [6,10) = 40 + 20
+    assert [r.label for r in balanced_ranges([10] * 10, 20, 2)] == ["[0,6)", "[6,10)"]
+    assert [r.label for r in balanced_ranges([10] * 10, 0, 2)] == ["[0,5)", "[5,10)"]
+    three = balanced_ranges([10] * 12, 30, 3)
+    assert [r.label for r in three] == ["[0,5)", "[5,10)", "[10,12)"] and three[-1].is_tail
+    assert [r.as_tuple() for r in balanced_ranges([1, 1, 100, 1], 0, 2)] == [(0, 2), (2, 4)]
+
+
+def test_balanced_ranges_refuse_more_stages_than_layers():
+    assert "cannot split 3 layers" in refused(balanced_ranges, [1, 1, 1], 0, 4)
