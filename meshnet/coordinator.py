@@ -41,7 +41,7 @@ from .errors import MeshnetError
 from .generation import FeedHead, Finish, Generation, StopRule, Token
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
 from .metrics import percentiles
-from .tracker import StageOffer, build_route, offer_from_capability
+from .tracker import StageOffer, build_route, head_gathers, offer_from_capability
 
 log = logging.getLogger("meshnet.coordinator")
 
@@ -654,13 +654,15 @@ class Coordinator:
         session = Session(sid, secrets.randbits(63), route, gen, want_logits, events, now() + self.request_timeout)
         self.sessions[sid] = session
         last = len(route) - 1
+        gather = head_gathers([w.capability for w in route])
         for i, worker in enumerate(route):
             worker.sessions.add(sid)
             self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout),
                           sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability["data_endpoint"],
                           reply=self.data_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens,
                           stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and want_logits else None,
-                          hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"])
+                          hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"],
+                          gather=True if i == 0 and gather else None)
 
     def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
         """Carry out what the session's generation asks for."""

@@ -141,6 +141,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "stop_at_eog": (BOOL, True, None),
         "logits": (BOOL, False, None),             # the tail sends each token's logits
         "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
+        "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
     },
     CANCEL: {"sid": (INT, True, _u64)},
     RELEASE: {"sid": (INT, True, _u64)},
@@ -206,6 +207,8 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "admitted_bytes": (INT, True, _u64),
     "data_endpoint": (STR, True, _endpoint),     # the PULL socket its inputs come to
     "clock_id": (STR, True, _short_text),        # host and boot: equal ids share one monotonic clock
+    "n_threads": (INT, False, _positive),        # the engine's compute threads
+    "n_cpus": (INT, False, _positive),           # the CPUs this process may run on
     "pid": (INT, False, _positive),
 }
 

@@ -12,6 +12,7 @@ through a job queue, woken by an inproc pair that also carries the replies back.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -31,6 +32,7 @@ STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics th
 HOPS_PERIOD = 1.0         # seconds between hop percentiles in them (a sort of up to HOPS_KEPT values)
 DATA_HWM = 1000           # ZeroMQ high-water mark of the data sockets, messages
 RECV_BURST = 256          # data messages read before computing: all that is waiting, within reason
+GATHER_MAX = 0.03         # seconds a gathering head holds decode steps back for the other decoding sessions
 HOPS_KEPT = 10_000
 SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
 MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
@@ -62,6 +64,8 @@ class StageSession:
     rule: StopRule
     want_logits: bool
     hop_clock: bool
+    gather: bool = False       # the head: wait for every decoding session's step (stages share the CPUs)
+    decoding: bool = False     # the head has had a decode step of it
     n_generated: int = 0
     seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
 
@@ -74,6 +78,7 @@ class Input:
     session: StageSession
     seams: list
     ack: bool
+    arrived: float = 0.0       # time.monotonic() at receipt
 
 
 class StageLoop(threading.Thread):
@@ -144,7 +149,8 @@ class StageLoop(threading.Thread):
         poller.register(self.pair, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(0 if self.waiting else int(STATS_PERIOD * 1000)))
+            hold = self._gather_wait() if self.waiting else STATS_PERIOD
+            events = dict(poller.poll(math.ceil(hold * 1000) if hold else 0))
             if self.pair in events:
                 while self.pair.poll(0):
                     self.pair.recv()     # wake-ups: the jobs themselves are in the deque
@@ -152,7 +158,7 @@ class StageLoop(threading.Thread):
                 break
             if self.data in events:
                 self._receive_burst()
-            if self.waiting:
+            if self.waiting and not self._gather_wait():
                 self._run_one_batch()
             if time.monotonic() - self._stats_at > STATS_PERIOD:
                 self._refresh_stats()
@@ -227,7 +233,8 @@ class StageLoop(threading.Thread):
         self.stage.open_session(job.sid)
         self.sessions[job.sid] = StageSession(
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
-            StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False))
+            StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
+            gather=m.get("gather", False))
         for endpoint in (m["next"], m["reply"]):
             self._push(endpoint)   # connect now: the first step finds the link made
         with self.lock:
@@ -341,8 +348,23 @@ class StageLoop(threading.Thread):
             self.seam_bytes_in += nbytes
             seams.append([session.stage - 1, hop_us, nbytes])
         step.want_logits = self.info.is_tail and session.want_logits
-        step.meta = Input(session, seams, bool(msg.get("ack")))
+        step.meta = Input(session, seams, bool(msg.get("ack")), time.monotonic())
+        if self.info.is_head and not msg.get("ack"):
+            session.decoding = True
         return step
+
+    def _gather_wait(self) -> float:
+        """Seconds to hold the waiting decode steps back, 0 to compute now. A head whose
+        stages share this machine's CPUs gathers every decoding session's step into one
+        forward call: the sessions then go round the ring together, one stage computing at a
+        time, as they would in one process, instead of splitting into groups whose stages
+        compute at once and fight for the same cores."""
+        if not self.info.is_head or any(s.n > 1 or not s.meta.session.gather for s in self.waiting):
+            return 0.0
+        here = {s.sid for s in self.waiting}
+        if all(sid in here for sid, session in self.sessions.items() if session.gather and session.decoding):
+            return 0.0
+        return max(0.0, GATHER_MAX - (time.monotonic() - min(s.meta.arrived for s in self.waiting)))
 
     def _run_one_batch(self) -> None:
         with self.lock:

@@ -96,3 +96,15 @@ def _why_no_route(offers: list[StageOffer], n_layer: int) -> str:
         if b.start < a.end and b.start != a.start:
             return f"overlap: {a.label} and {b.label} both hold layers {b.start}..{min(a.end, b.end) - 1}"
     return "no chain of registered ranges covers [0, %d) exactly" % n_layer
+
+
+def head_gathers(capabilities: list[dict]) -> bool:
+    """Whether a route's head should gather its sessions' decode steps into one forward
+    call: when the stages on the head's machine have more compute threads together than
+    it has CPUs, two of them computing at once slow each other down, so the sessions had
+    better go round the ring as one group (one stage computing at a time, as in one
+    process) than as several groups in different stages at once. Stages on their own
+    CPUs (or hosts) pipeline instead."""
+    head = capabilities[0]
+    beside = [c for c in capabilities if c["clock_id"] == head["clock_id"]]
+    return len(beside) > 1 and sum(c.get("n_threads", 1) for c in beside) > head.get("n_cpus", 1 << 20)

@@ -102,6 +102,8 @@ class StageWorker:
             "n_batch": info.n_batch,
             "admitted_bytes": info.model_bytes + info.kv_bytes + info.compute_bytes,
             "clock_id": clock_id(),
+            "n_threads": config.n_threads or len(os.sched_getaffinity(0)),
+            "n_cpus": len(os.sched_getaffinity(0)),
             "pid": os.getpid(),
             # one id for every connection this process makes: a coordinator that gets a
             # READY from a new connection drops the old one, whatever it still delivers

@@ -113,3 +113,17 @@ def test_offer_from_capability_reads_the_fields_a_worker_announces():
     capability = {"model_sha256": SHA_A, "layers": [15, 30], "n_layer": 30, "engine_pin": CPU[0],
                   "backend": "CPU", "wire_dtype": "f32", "n_embd": 576}
     assert offer_from_capability("w9", capability) == offer("w9", 15, 30)
+
+
+def test_a_head_gathers_its_sessions_only_when_its_machine_s_stages_would_fight_for_cores():
+    from meshnet.tracker import head_gathers
+
+    def stage(host, threads, cpus=2):
+        return {"clock_id": host, "n_threads": threads, "n_cpus": cpus}
+
+    assert head_gathers([stage("a", 2), stage("a", 2)])                  # 4 threads on 2 cores
+    assert not head_gathers([stage("a", 1), stage("a", 1)])              # one core each: pipeline
+    assert not head_gathers([stage("a", 2), stage("b", 2)])              # two hosts: pipeline
+    assert head_gathers([stage("a", 2), stage("b", 2), stage("a", 1)])   # 3 threads on the head's 2 cores
+    assert not head_gathers([stage("a", 8, cpus=16), stage("a", 8, cpus=16)])
+    assert not head_gathers([stage("a", 2)])                             # alone: nothing to gather
