@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from . import models
 from .cluster import LocalCluster
 from .gguf_layout import read_layout
-
 from .metrics import rss_bytes
 from .pipeline import LocalPipeline, Request
 
@@ -88,23 +87,21 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
     options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads)
     runners, concurrent, closers, samples = {}, {}, [], {}
 
-    def in_process(pipe):
+    def in_process(label, pipe):
         runners[label] = lambda tokens: pipe.generate(tokens, n_decode + 1, stop_at_eog=False).metrics
         concurrent[label] = lambda prompts: [c.token_times for c in pipe.generate_many(
             [Request(t, CONCURRENT_DECODE * n_decode, stop_at_eog=False) for t in prompts])]
 
     try:
         if "whole" in configs:
-            label = "whole"
             whole = LocalPipeline(path, [(0, layout.n_layer)], **options)
             closers.append(whole.close)
-            in_process(whole)
+            in_process("whole", whole)
             samples["whole"] = Samples("whole model, 1 process")
         if "stages" in configs:
-            label = "stages"
             staged = LocalPipeline(path, ranges, **options)
             closers.append(staged.close)
-            in_process(staged)
+            in_process("stages", staged)
             samples["stages"] = Samples(f"{n_stages} stages, 1 process")
         if "workers" in configs:
             cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=max(sessions, 1)).start()

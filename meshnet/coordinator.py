@@ -76,7 +76,6 @@ class Pending:
     sid: int | None
     worker: bytes
     stage: int
-    sent_ns: int
     deadline: float
     future: Future | None = None
 
@@ -100,7 +99,8 @@ class Session:
     finished: bool = False
     waiting_on: int | None = None  # the stage the session waits on, when known (the head, for a chunk)
     opens_waiting: int = field(init=False)   # stages yet to confirm the session is open
-    hops_us: list[list[int]] = field(init=False)   # per seam
+    hops_us: list[list[int]] = field(init=False)   # per seam, where the two stages share a clock
+    crossings: list[int] = field(init=False)       # per seam
     seam_bytes: int = 0
     decode_seam_bytes: int = 0    # what crossed the seams for decode steps (after the first token)
     decode_crossings: int = 0
@@ -109,6 +109,7 @@ class Session:
     def __post_init__(self):
         self.opens_waiting = len(self.route)
         self.hops_us = [[] for _ in self.route[1:]]
+        self.crossings = [0 for _ in self.route[1:]]
 
     def label(self, stage: int) -> str:
         return self.route[stage].offer.label
@@ -559,7 +560,6 @@ class Coordinator:
 
     def _request(self, worker: WorkerRecord, msg_type: str, pending: Pending, payload=None, **fields) -> int:
         rid = next(self._rids)
-        pending.sent_ns = time.perf_counter_ns()
         self.pending[rid] = pending
         if not self._send(worker.identity, P.encode(msg_type, rid, payload=payload, **fields)):
             self.pending.pop(rid, None)
@@ -569,7 +569,7 @@ class Coordinator:
 
     def _query(self, worker: WorkerRecord, msg_type: str, fields: dict) -> Future:
         future: Future = Future()
-        self._request(worker, msg_type, Pending("query", None, worker.identity, -1, 0,
+        self._request(worker, msg_type, Pending("query", None, worker.identity, -1,
                                                 now() + self.request_timeout, future), **fields)
         return future
 
@@ -657,7 +657,7 @@ class Coordinator:
         gather = head_gathers([w.capability for w in route])
         for i, worker in enumerate(route):
             worker.sessions.add(sid)
-            self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, 0, now() + self.request_timeout),
+            self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, now() + self.request_timeout),
                           sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability["data_endpoint"],
                           reply=self.data_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens,
                           stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and want_logits else None,
@@ -676,7 +676,7 @@ class Coordinator:
                                                      f"{head.offer.label} (worker {head.name})", stage=head.offer.label,
                                                      session=session.sid), cancel=True)
                     return
-                session.waiting_on = 0 if action.prompt else None
+                session.waiting_on = 0   # the coordinator feeds prompt chunks only: decode steps come from the tail
             elif isinstance(action, Token):
                 session.events.put(("token", TokenEvent(action.token, piece, logits)))
             elif isinstance(action, Finish) and action.reason != "error":
@@ -730,7 +730,8 @@ class Coordinator:
             return
         decoding = session.gen.state == "decode"
         for seam, hop_us, nbytes in msg.get("seams", ()):
-            if seam < len(session.hops_us):
+            if seam < len(session.crossings):
+                session.crossings[seam] += 1
                 session.seam_bytes += nbytes
                 if decoding:
                     session.decode_seam_bytes += nbytes
@@ -771,13 +772,13 @@ class Coordinator:
     def _metrics(self, session: Session) -> dict:
         every_hop = [h for seam in session.hops_us for h in seam]
         hops = percentiles(every_hop)
-        per_seam_step = max(len(session.gen.tokens) - 1, 0) * len(session.hops_us)
+        per_seam_step = max(len(session.gen.tokens) - 1, 0) * len(session.crossings)
         return {
             **session.gen.metrics([(w.offer.start, w.offer.end) for w in session.route], session.seam_bytes),
             "hop_us_p50": hops["p50"],
             "hop_us_p99": hops["p99"],
             "seam_hop_us_p50": [percentiles(seam)["p50"] for seam in session.hops_us],
-            "seam_crossings": [len(seam) for seam in session.hops_us],
+            "seam_crossings": session.crossings,
             "decode_seam_bytes_per_token": session.decode_seam_bytes / per_seam_step if per_seam_step else None,
             "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
         }
@@ -791,7 +792,7 @@ class Coordinator:
             worker.sessions.discard(session.sid)
             if i != skip_stage and worker.identity in self.workers:
                 self._request(worker, message_type,
-                              Pending(message_type, session.sid, worker.identity, i, 0, now() + self.request_timeout),
+                              Pending(message_type, session.sid, worker.identity, i, now() + self.request_timeout),
                               sid=session.sid)
 
     def _finish(self, session: Session, reason: str) -> None:

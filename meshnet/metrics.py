@@ -36,9 +36,6 @@ def generation_metrics(ranges, n_prompt: int, n_generated: int, t_start: float, 
         "prefill_tok_s": n_prompt / max(t_first - t_start, 1e-9),
         "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
         "seam_bytes": seam_bytes,
-        # this process's perf_counter at the first and last token: to line up concurrent sessions
-        "t_first_s": t_first,
-        "t_end_s": t_end,
     }
 
 

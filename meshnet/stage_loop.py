@@ -36,9 +36,6 @@ GATHER_MAX = 0.03         # seconds a gathering head holds decode steps back for
 HOPS_KEPT = 10_000
 SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
 MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
-# test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
-# so that tests can prove `meshnet accept` notices; never set outside tests
-TEST_FAULT = None
 
 
 @dataclass

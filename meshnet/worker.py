@@ -201,7 +201,6 @@ class StageWorker:
         self._send(P.error_frames(rid, code, message, sid=sid))
 
     def _handle(self, frames: list) -> None:
-        t_recv_ns = time.perf_counter_ns()
         try:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
@@ -226,7 +225,7 @@ class StageWorker:
             self._refuse(msg.rid, E.UNKNOWN_TYPE, f"a worker does not serve '{msg.type}' messages")
             return
         try:
-            handler(msg, t_recv_ns)
+            handler(msg)
         except MeshnetError as e:
             self._refuse(msg.rid, e.code, e.message, msg.get("sid"))
 
@@ -243,7 +242,7 @@ class StageWorker:
         self.queued[queue_kind] += 1
         self._submit(job)
 
-    def _health(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _health(self, msg: P.Message) -> None:
         # answered here, never queued behind work: the stage loop's last snapshot of the
         # stage plus the socket loop's own counters
         stats = dict(self.loop.stats)
@@ -253,28 +252,28 @@ class StageWorker:
             stats, requests=dict(self.requests), errors=dict(errors), stopping=self.stopping,
             queue_depth=stats.get("waiting", 0), queued=dict(self.queued), rss_bytes=rss_bytes())))
 
-    def _capability(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _capability(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid, info=self.capability))
 
-    def _control(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _control(self, msg: P.Message) -> None:
         if msg.type == P.OPEN and self.stopping:
             raise MeshnetError(E.SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
         if msg.type == P.OPEN:
             msg.fields["reply"] = reachable(msg["reply"], self.config.coordinator)
         self._queue("control", Job(msg.type, msg.rid, self.epoch, sid=msg["sid"], msg=msg))
 
-    def _cancel(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _cancel(self, msg: P.Message) -> None:
         sid = msg["sid"]
         self._queue("control", Job("cancel", msg.rid, self.epoch, sid=sid))
         self.loop.cancel(sid)  # after the job is queued: its job is what forgets the cancel again
 
-    def _tokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _tokenize(self, msg: P.Message) -> None:
         self._queue("text", Job("tokenize", msg.rid, self.epoch, msg=msg))
 
-    def _detokenize(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _detokenize(self, msg: P.Message) -> None:
         self._queue("text", Job("detokenize", msg.rid, self.epoch, msg=msg))
 
-    def _shutdown(self, msg: P.Message, t_recv_ns: int = 0) -> None:
+    def _shutdown(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid))
         self.stopping = True
 
