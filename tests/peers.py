@@ -44,20 +44,22 @@ def rss_kib(pid) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
+def bind_loopback(ctx: zmq.Context, kind: int) -> tuple[zmq.Socket, str]:
+    """A socket bound to a free loopback port, and its address."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 class FakeCoordinator:
     """A raw ROUTER playing coordinator, with its own data PULL: a session it opens sends
     every output (the next stage's input, tokens, "chunk taken") back to it."""
 
     def __init__(self):
         self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:0")
-        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.data = self.ctx.socket(zmq.PULL)
-        self.data.setsockopt(zmq.LINGER, 0)
-        self.data.bind("tcp://127.0.0.1:0")
-        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router, self.endpoint = bind_loopback(self.ctx, zmq.ROUTER)
+        self.data, self.data_endpoint = bind_loopback(self.ctx, zmq.PULL)
         self.pushes = {}
         self.identity = None
         self.capability = None

@@ -50,7 +50,7 @@ from meshnet.engine import Entry, Stage
 from meshnet.pipeline import LocalPipeline
 
 from conftest import THREADS
-from peers import KEY
+from peers import KEY, bind_loopback
 
 SEED = int(os.environ.get("MESHNET_FUZZ_SEED", "16"))
 FRAMES = int(os.environ.get("MESHNET_FUZZ_FRAMES", "10000"))   # per program under test, both planes together
@@ -764,14 +764,8 @@ class Router:
 
     def __init__(self, replies: Replies):
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:0")
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.data = self.ctx.socket(zmq.PULL)
-        self.data.setsockopt(zmq.LINGER, 0)
-        self.data.bind("tcp://127.0.0.1:0")
-        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock, self.endpoint = bind_loopback(self.ctx, zmq.ROUTER)
+        self.data, self.data_endpoint = bind_loopback(self.ctx, zmq.PULL)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.data, zmq.POLLIN)
