@@ -337,6 +337,65 @@ def accept(model, out_dir, threads):
     sys.exit(0 if manifest["passed"] else 1)
 
 
+def _size(text: str) -> int:
+    from .planner import parse_size
+    return parse_size(text)
+
+
+def _node(text: str):
+    from .planner import parse_size
+
+    name, sep, mem = str(text).partition("=")
+    if not sep or not name:
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"'{text}' is not NAME=MEM (e.g. laptop=6G)")
+    return name, parse_size(mem)
+
+
+def _nodes(ctx, param, values):
+    try:
+        return [_node(v) for v in values]
+    except MeshnetError as e:
+        raise click.BadParameter(e.message) from None
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--node", "nodes", multiple=True, required=True, callback=_nodes,
+              help="NAME=MEM, a node and the memory it admits (e.g. laptop=6G), in route order; repeat per node")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens per session")
+@click.option("--sessions", type=click.IntRange(min=1, max=256), default=8, show_default=True,
+              help="sessions each stage keeps KV for (meshnet worker --max-sessions)")
+@click.option("--overhead", default=None, callback=_usage_error(_size),
+              help="memory per worker process beside the stage itself [default: 128M]")
+@click.option("--json", "as_json", is_flag=True, help='one object {"stages": [{"node", "layers": [A, B], "bytes"}, ...]}')
+def plan(model, nodes, n_ctx, sessions, overhead, as_json):
+    """Split MODEL over nodes by the memory each admits: each stage, in route order, as large as its node allows."""
+    from .gguf_layout import read_layout
+    from .planner import OVERHEAD, ModelCost, Node, Settings, format_size
+    from .planner import plan as make_plan
+
+    settings = Settings(n_ctx=n_ctx, n_sessions=sessions)
+    try:
+        path, _ = models.resolve(model)
+        cost = ModelCost.from_layout(read_layout(path))
+        result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes],
+                           OVERHEAD if overhead is None else overhead)
+    except MeshnetError as e:
+        if as_json and "shortfall_bytes" in e.context:
+            click.echo(json.dumps({"error": e.to_dict()}))
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    admitted = dict(nodes)
+    click.echo(f"{'node':<16} {'layers':<10} {'needs':>12} {'admits':>12}")
+    for stage in result.stages:
+        click.echo(f"{stage.node:<16} {stage.layers.label:<10} {format_size(stage.bytes):>12} "
+                   f"{format_size(admitted[stage.node]):>12}")
+    for name, why in result.left_out.items():
+        click.echo(f"{name:<16} {'-':<10} left out: {why}")
+
+
 @main.command()
 @click.argument("model", required=False)
 @click.option("--json", "as_json", is_flag=True)

@@ -34,12 +34,14 @@ MODEL_CHECKSUM = _code("model_checksum", 3, "a known model whose bytes do not ha
 UNKNOWN_MODEL = _code("unknown_model", 3, "a model name that is not in the list of known models")
 MODEL_LOAD = _code("model_load", 3, "the engine could not load the model")
 UNSUPPORTED_ARCH = _code("unsupported_arch", 3, "a model architecture the engine cannot split into stages")
+MODEL_DOES_NOT_FIT = _code("model_does_not_fit", 3, "the nodes' memory cannot hold the model (the shortfall is named)")
 BAD_RANGE = _code("bad_range", 3, "a layer range or split that is empty, reversed or outside the model")
 ENGINE_MISSING = _code("engine_missing", 3, "the engine library has not been built")
 ENGINE_MISMATCH = _code("engine_mismatch", 3, "the engine library speaks another ABI version than this package")
 
 # 4: the workers, the network
 ROUTE_INCOMPLETE = _code("route_incomplete", 4, "the registered workers do not make a route over the whole model")
+UNASSIGNED = _code("unassigned", 4, "a worker that waits for the coordinator to give it a layer range")
 STAGE_LOST = _code("stage_lost", 4, "a worker holding a stage of the session went away")
 HOP_UNREACHABLE = _code("hop_unreachable", 4, "a stage could not pass its output to the next stage")
 UNREACHABLE = _code("unreachable", 4, "a peer (a coordinator's metrics, a worker) did not answer")

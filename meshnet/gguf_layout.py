@@ -39,6 +39,9 @@ class ModelLayout:
     quant_types: dict[str, int] = field(default_factory=dict)
     layer_weights: list[int] = field(default_factory=list)   # weights each layer multiplies per token
     output_weights: int = 0   # ... the output matrix (token_embd when tied): the tail's extra work
+    n_head: int = 0
+    n_ff: int = 0
+    kv_bytes_per_cell: int = 0  # one layer's K and V of one token at f16, the engine's cache type
 
     def balanced_ranges(self, n_stages: int) -> list[LayerRange]:
         """n_stages ranges with as even a share of the per-token work as whole layers allow
@@ -166,11 +169,17 @@ def _read_layout(path: str) -> ModelLayout:
         else:
             shared_bytes += n
 
+    n_embd = int(_field(reader, f"{arch}.embedding_length") or 0)
+    n_head = _scalar(_field(reader, f"{arch}.attention.head_count")) or 0
+    n_head_kv = _scalar(_field(reader, f"{arch}.attention.head_count_kv")) or n_head
+    head_dim = n_embd // n_head if n_head else 0
+    key_dim = _field(reader, f"{arch}.attention.key_length") or head_dim
+    value_dim = _field(reader, f"{arch}.attention.value_length") or head_dim
     return ModelLayout(
         path=str(path),
         arch=arch,
         n_layer=int(n_layer),
-        n_embd=int(_field(reader, f"{arch}.embedding_length") or 0),
+        n_embd=n_embd,
         n_vocab=int(n_vocab),
         file_bytes=Path(path).stat().st_size,
         layer_bytes=layer_bytes,
@@ -182,4 +191,14 @@ def _read_layout(path: str) -> ModelLayout:
         quant_types=dict(quant.most_common()),
         layer_weights=layer_weights,
         output_weights=output_weights if has_output else token_embd_weights,
+        n_head=int(n_head),
+        n_ff=int(_scalar(_field(reader, f"{arch}.feed_forward_length")) or 0),
+        kv_bytes_per_cell=2 * int(n_head_kv) * (int(key_dim) + int(value_dim)),
     )
+
+
+def _scalar(value):
+    """A per-model number that some architectures give per layer (a list): the largest."""
+    if isinstance(value, (list, tuple)):
+        return max(value, default=0)
+    return value

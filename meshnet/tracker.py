@@ -1,24 +1,54 @@
 """Which workers make a route: plain data in, an ordered list of stages out, or a
 refusal that says why (gap, overlap, hash mismatch, incompatible class).
 
-Nothing here touches sockets or models, so it is tested with plain offers.
+Only workers of one compatibility class (model sha256, engine pin with its patch hash,
+backend, wire dtype) share a route; the others are kept out with a reason naming both
+classes, and never stop the compatible ones from forming one. Several workers may offer
+the same range (spares): any live one will do. Between complete candidate routes the
+tracker prefers fewer stages, then the earliest registered workers, so the choice never
+depends on connection ids. Nothing here touches sockets or models, so it is tested with
+plain offers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
 
 from .errors import ROUTE_INCOMPLETE, MeshnetError
 from .layers import LayerRange
 
 
+class CompatClass(NamedTuple):
+    model_sha256: str
+    engine_pin: str
+    backend: str
+    wire_dtype: str
+
+    def __str__(self) -> str:
+        return f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype}"
+
+    def differences(self, other: "CompatClass") -> str:
+        """What differs, in words: 'model abc... vs def...; backend CPU vs CUDA'."""
+        parts = []
+        for name, mine, theirs in zip(self._fields, self, other):
+            if mine != theirs:
+                if name == "model_sha256":
+                    mine, theirs = mine[:12], theirs[:12]
+                parts.append(f"{name.replace('_', ' ')} {mine} vs {theirs}")
+        return "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class StageOffer:
     worker: str                 # the worker's name
-    model_sha256: str
     layers: LayerRange          # bound to the model: n_layer is known
-    compat_class: tuple         # engine pin, backend, wire dtype
+    compat_class: CompatClass
+    registered: int = 0         # the order workers registered in: earlier is smaller
+
+    @property
+    def model_sha256(self) -> str:
+        return self.compat_class.model_sha256
 
     @property
     def start(self) -> int:
@@ -37,50 +67,100 @@ class StageOffer:
         return self.layers.label
 
 
-def offer_from_capability(worker: str, capability: dict) -> StageOffer:
+def compat_class_of(capability: dict) -> CompatClass:
+    return CompatClass(capability["model_sha256"], capability["engine_pin"], capability["backend"],
+                       capability["wire_dtype"])
+
+
+def offer_from_capability(worker: str, capability: dict, registered: int = 0) -> StageOffer:
     start, end = capability["layers"]
-    return StageOffer(
-        worker=worker,
-        model_sha256=capability["model_sha256"],
-        layers=LayerRange(start, end, capability["n_layer"]),
-        compat_class=(capability["engine_pin"], capability["backend"], capability["wire_dtype"]),
-    )
+    return StageOffer(worker=worker, layers=LayerRange(start, end, capability["n_layer"]),
+                      compat_class=compat_class_of(capability), registered=registered)
 
 
-def build_route(offers: Iterable[StageOffer], model_sha256: str | None = None) -> list[StageOffer]:
-    """Stages whose ranges are disjoint and cover [0, n_layer) exactly, in layer order."""
+@dataclass
+class Route:
+    stages: list[StageOffer]
+    kept_out: dict[str, str] = field(default_factory=dict)   # worker -> why it is not in the route
+
+    @property
+    def mixed(self) -> bool:
+        """Stages of more than one class (only with allow_mixed): its output may drift."""
+        return len({o.compat_class for o in self.stages}) > 1
+
+
+def choose_route(offers: Iterable[StageOffer], model_sha256: str | None = None, allow_mixed: bool = False) -> Route:
+    """The best complete route among OFFERS, with the reasons the others are kept out;
+    MeshnetError(route_incomplete) when there is none, saying why."""
     offers = list(offers)
+    kept_out: dict[str, str] = {}
     if model_sha256 is not None:
+        for o in offers:
+            if o.model_sha256 != model_sha256:
+                kept_out[o.worker] = f"hash mismatch: it serves model {o.model_sha256[:12]}, not {model_sha256[:12]}"
         offers = [o for o in offers if o.model_sha256 == model_sha256]
     if not offers:
         raise MeshnetError(ROUTE_INCOMPLETE, "no worker has registered" + (f" for model {model_sha256[:12]}" if model_sha256 else ""))
-    models = {o.model_sha256 for o in offers}
-    if len(models) > 1:
-        raise MeshnetError(ROUTE_INCOMPLETE, f"hash mismatch: workers serve {len(models)} different model files "
-                           f"({', '.join(sorted(m[:12] for m in models))})")
-    classes = {o.compat_class for o in offers}
-    if len(classes) > 1:
-        raise MeshnetError(ROUTE_INCOMPLETE, "incompatible class: workers differ in engine pin, backend or wire dtype: "
-                           + "; ".join(" ".join(map(str, c)) for c in sorted(classes)))
+
+    # the pools a route may be drawn from: one per class, or with allow_mixed one per
+    # model shape (a different model's layers cannot continue another's residual)
+    pools: dict[object, list[StageOffer]] = {}
+    for o in offers:
+        pools.setdefault(o.n_layer if allow_mixed else o.compat_class, []).append(o)
+    candidates = [(key, route) for key, pool in pools.items() if (route := _best_chain(pool)) is not None]
+    if candidates:
+        key, stages = min(candidates, key=lambda c: _preference(c[1]))
+        route = Route(stages, kept_out)
+        reference = stages[0].compat_class
+        for o in offers:
+            if o.worker in kept_out or o in stages:
+                continue
+            if (o.n_layer if allow_mixed else o.compat_class) != key:
+                kept_out[o.worker] = _class_reason(o, reference, stages[0].worker)
+            else:
+                kept_out[o.worker] = f"spare: another worker holds {o.label} in the route"
+        return route
+
+    # no class makes a route: explain the pool of the earliest registered worker, and
+    # why the others cannot help it
+    first = min(offers, key=lambda o: o.registered)
+    key = first.n_layer if allow_mixed else first.compat_class
+    pool = pools[key]
+    reasons = [_why_no_route(pool, first.n_layer)]
+    others = [o for o in offers if o not in pool]
+    if others:
+        reasons.append("kept out: " + "; ".join(f"{o.worker} {o.label} ({_class_reason(o, first.compat_class, first.worker)})"
+                                               for o in sorted(others, key=lambda o: o.registered)))
+    raise MeshnetError(ROUTE_INCOMPLETE, ". ".join(reasons))
+
+
+def build_route(offers: Iterable[StageOffer], model_sha256: str | None = None, allow_mixed: bool = False) -> list[StageOffer]:
+    """Stages whose ranges are disjoint and cover [0, n_layer) exactly, in layer order."""
+    return choose_route(offers, model_sha256, allow_mixed).stages
+
+
+def _class_reason(offer: StageOffer, reference: CompatClass, reference_worker: str) -> str:
+    kind = "hash mismatch" if offer.model_sha256 != reference.model_sha256 else "incompatible class"
+    return (f"{kind}: its class ({offer.compat_class}) differs from {reference_worker}'s ({reference}): "
+            f"{offer.compat_class.differences(reference)}")
+
+
+def _preference(route: list[StageOffer]) -> tuple:
+    return len(route), tuple(o.registered for o in route)
+
+
+def _best_chain(offers: list[StageOffer]) -> list[StageOffer] | None:
+    """The exact cover of [0, n_layer) with the fewest stages, then the earliest
+    registered workers (compared in route order); None when there is no cover."""
     n_layer = offers[0].n_layer
-
     by_start: dict[int, list[StageOffer]] = {}
-    for offer in sorted(offers, key=lambda o: (o.start, o.end, o.worker)):
+    for offer in offers:
         by_start.setdefault(offer.start, []).append(offer)
-
-    def chain(at: int) -> list[StageOffer] | None:  # depth-first: ranges are few
-        if at == n_layer:
-            return []
-        for offer in by_start.get(at, []):
-            rest = chain(offer.end)
-            if rest is not None:
-                return [offer, *rest]
-        return None
-
-    route = chain(0)
-    if route is None:
-        raise MeshnetError(ROUTE_INCOMPLETE, _why_no_route(offers, n_layer))
-    return route
+    best: dict[int, list[StageOffer] | None] = {n_layer: []}
+    for at in range(n_layer - 1, -1, -1):   # from the tail back: best[at] covers [at, n_layer)
+        chains = [[o, *best[o.end]] for o in by_start.get(at, []) if o.end <= n_layer and best.get(o.end) is not None]
+        best[at] = min(chains, key=_preference) if chains else None
+    return best[0]
 
 
 def _why_no_route(offers: list[StageOffer], n_layer: int) -> str:

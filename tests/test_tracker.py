@@ -6,15 +6,17 @@ import pytest
 
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
-from meshnet.tracker import StageOffer, build_route, offer_from_capability
+from meshnet.tracker import CompatClass, StageOffer, build_route, choose_route, offer_from_capability
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
 CPU = ("llama.cpp@0c1e57098", "CPU", "f32")
+_order = itertools.count()
 
 
-def offer(worker, start, end, *, sha=SHA_A, n_layer=30, compat=CPU):
-    return StageOffer(worker=worker, model_sha256=sha, layers=LayerRange(start, end, n_layer), compat_class=compat)
+def offer(worker, start, end, *, sha=SHA_A, n_layer=30, compat=CPU, registered=None):
+    return StageOffer(worker=worker, layers=LayerRange(start, end, n_layer), compat_class=CompatClass(sha, *compat),
+                      registered=next(_order) if registered is None else registered)
 
 
 def refusal(offers, **kwargs) -> str:
@@ -72,32 +74,68 @@ def test_a_dead_end_branch_is_backed_out_of():
 
 def test_hash_mismatch_is_refused_naming_both_models():
     message = refusal([offer("w1", 0, 15, sha=SHA_A), offer("w2", 15, 30, sha=SHA_B)])
-    assert message.startswith("hash mismatch")
+    assert message.startswith("gap:")
+    assert "w2 [15,30) (hash mismatch" in message
     assert SHA_A[:12] in message and SHA_B[:12] in message
 
 
 def test_incompatible_class_is_refused_naming_the_difference():
     gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
     message = refusal([offer("w1", 0, 15), offer("w2", 15, 30, compat=gpu)])
-    assert message.startswith("incompatible class")
-    assert "CPU" in message and "CUDA" in message
+    assert "w2 [15,30) (incompatible class" in message
+    assert "backend CUDA vs CPU" in message
 
 
-def test_duplicate_ranges_give_one_chain_each_layer_once_the_same_for_any_offer_order():
-    offers = [offer("h1", 0, 15), offer("h2", 0, 15), offer("t1", 15, 30), offer("t2", 15, 30)]
-    routes = {tuple(o.worker for o in build_route(p)) for p in itertools.permutations(offers)}
-    assert len(routes) == 1, routes  # deterministic: the order workers registered in does not matter
-    (workers,) = routes
-    assert len(workers) == 2 and workers[0] in ("h1", "h2") and workers[1] in ("t1", "t2")
+def test_a_worker_of_another_class_never_makes_the_route_incomplete_for_the_compatible_ones():
+    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
+    other_pin = ("llama.cpp@0c1e57098 patches=ffff", "CPU", "f32")
+    intruders = [offer("stranger", 0, 30, sha=SHA_B, n_layer=30, registered=-3),
+                 offer("gpu", 0, 15, compat=gpu, registered=-2), offer("pin", 15, 30, compat=other_pin, registered=-1)]
+    for permutation in itertools.permutations([offer("h", 0, 15), offer("t", 15, 30), *intruders]):
+        route = choose_route(permutation, model_sha256=SHA_A)
+        assert [o.worker for o in route.stages] == ["h", "t"]
+        assert route.kept_out["stranger"].startswith("hash mismatch") and SHA_B[:12] in route.kept_out["stranger"]
+        assert route.kept_out["gpu"].startswith("incompatible class") and "backend CUDA vs CPU" in route.kept_out["gpu"]
+        assert "engine pin" in route.kept_out["pin"]
 
 
-def test_model_filter_builds_the_route_of_that_model_only():
-    offers = [offer("a-head", 0, 15, sha=SHA_A), offer("a-tail", 15, 30, sha=SHA_A),
-              offer("b-head", 0, 10, sha=SHA_B, n_layer=20), offer("b-tail", 10, 20, sha=SHA_B, n_layer=20)]
+def test_between_complete_routes_fewer_stages_win_then_the_earliest_registered():
+    offers = [offer("h1", 0, 15, registered=1), offer("t1", 15, 30, registered=2),
+              offer("whole", 0, 30, registered=9), offer("h0", 0, 15, registered=5), offer("t0", 15, 30, registered=0)]
+    for permutation in itertools.permutations(offers):
+        assert [o.worker for o in build_route(permutation)] == ["whole"]
+    without_whole = [o for o in offers if o.worker != "whole"]
+    for permutation in itertools.permutations(without_whole):
+        route = choose_route(permutation)
+        assert [o.worker for o in route.stages] == ["h1", "t0"]   # the earliest head, then the earliest tail
+        assert route.kept_out == {"h0": "spare: another worker holds [0,15) in the route",
+                                  "t1": "spare: another worker holds [15,30) in the route"}
+
+
+def test_a_spare_takes_the_place_of_a_lost_stage():
+    head, tail, spare = offer("h", 0, 15), offer("t", 15, 30), offer("t-spare", 15, 30)
+    assert [o.worker for o in build_route([head, tail, spare])] == ["h", "t"]
+    assert [o.worker for o in build_route([head, spare])] == ["h", "t-spare"]   # t lost
+
+
+def test_two_models_each_with_a_route_the_earliest_registered_serves_without_a_filter():
+    offers = [offer("b-head", 0, 10, sha=SHA_B, n_layer=20, registered=0), offer("b-tail", 10, 20, sha=SHA_B, n_layer=20, registered=1),
+              offer("a-head", 0, 15, sha=SHA_A, registered=2), offer("a-tail", 15, 30, sha=SHA_A, registered=3)]
     assert [o.worker for o in build_route(offers, model_sha256=SHA_A)] == ["a-head", "a-tail"]
     assert [o.worker for o in build_route(offers, model_sha256=SHA_B)] == ["b-head", "b-tail"]
-    # without the filter, two models is a mismatch, not a mixed route
-    assert refusal(offers).startswith("hash mismatch")
+    route = choose_route(offers)
+    assert [o.worker for o in route.stages] == ["b-head", "b-tail"]
+    assert route.kept_out["a-head"].startswith("hash mismatch")
+
+
+def test_allow_mixed_lets_other_classes_of_the_same_shape_in_and_says_the_route_is_mixed():
+    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
+    offers = [offer("h", 0, 15), offer("t-gpu", 15, 30, compat=gpu), offer("other-model", 0, 10, sha=SHA_B, n_layer=20)]
+    assert "incompatible class" in refusal(offers[:2])
+    route = choose_route(offers, allow_mixed=True)
+    assert [o.worker for o in route.stages] == ["h", "t-gpu"] and route.mixed
+    assert route.kept_out["other-model"].startswith("hash mismatch")
+    assert not choose_route([offer("h", 0, 15), offer("t", 15, 30)], allow_mixed=True).mixed
 
 
 def test_model_filter_with_no_worker_for_that_model_says_so():
@@ -112,7 +150,7 @@ def test_no_offers_is_refused():
 def test_offer_from_capability_reads_the_fields_a_worker_announces():
     capability = {"model_sha256": SHA_A, "layers": [15, 30], "n_layer": 30, "engine_pin": CPU[0],
                   "backend": "CPU", "wire_dtype": "f32", "n_embd": 576}
-    assert offer_from_capability("w9", capability) == offer("w9", 15, 30)
+    assert offer_from_capability("w9", capability, registered=4) == offer("w9", 15, 30, registered=4)
 
 
 def test_a_head_gathers_its_sessions_only_when_its_machine_s_stages_would_fight_for_cores():

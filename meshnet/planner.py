@@ -1,0 +1,187 @@
+"""How to split a model over nodes by the memory each admits.
+
+Pure arithmetic on numbers read from the GGUF (gguf_layout): what a stage [a, b) needs
+is its weights (the token embedding on the head, the output norm and matrix on the
+tail), the KV cache of its layers for the context and sessions asked for, the engine's
+compute buffers and a stated per-process overhead. Nodes are filled in route order,
+each stage as large as its budget allows; a model that does not fit is refused with the
+shortfall in bytes. Nothing here opens a file or a socket, so it is tested with plain
+numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from . import errors as E
+from .errors import MeshnetError
+from .layers import LayerRange
+
+# Per worker process, beside what the engine allocates: Python, numpy, ZeroMQ and the
+# engine library measure 57-82 MB of RSS before a stage loads (SmolLM2, Qwen2.5-1.5B),
+# and the stage loop's buffers come on top.
+OVERHEAD = 128 << 20
+# the graph's own bookkeeping beside its tensors; with it the estimate of weights + KV +
+# compute is within 2% of what the engine reports (SmolLM2 and Qwen2.5-1.5B, head/tail)
+COMPUTE_SLACK = 4 << 20
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'800M', '1.5G', '512MiB', '1048576' -> bytes (binary units, as free(1) counts)."""
+    raw = str(text).strip().lower()
+    for suffix in ("ib", "b"):
+        if raw.endswith(suffix) and raw[:-len(suffix)][-1:].isalpha():
+            raw = raw[:-len(suffix)]
+            break
+    number, unit = raw, ""
+    if raw and raw[-1] in _UNITS and raw[-1].isalpha():
+        number, unit = raw[:-1], raw[-1]
+    try:
+        value = float(number)
+    except ValueError:
+        raise MeshnetError(E.INVALID_ARGUMENT, f"'{text}' is not a memory size such as 800M, 1.5G or 1048576") from None
+    if not value > 0 or value != value:
+        raise MeshnetError(E.INVALID_ARGUMENT, f"a memory size must be positive, not '{text}'")
+    return int(value * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}iB"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model's stages cost, from its GGUF. Plain numbers: a worker sends them in
+    its capability, so a coordinator without the model file can plan."""
+    n_layer: int
+    layer_bytes: tuple[int, ...]
+    input_bytes: int          # token embedding: the head's
+    output_bytes: int         # output norm + matrix: the tail's
+    shared_bytes: int         # tensors every stage loads (rope factors)
+    tied_embeddings: bool     # the tail multiplies by token_embd: it loads it too
+    token_embd_bytes: int
+    kv_bytes_per_cell: int    # one layer's K and V for one token
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_vocab: int
+
+    @classmethod
+    def from_layout(cls, layout) -> "ModelCost":
+        return cls(layout.n_layer, tuple(layout.layer_bytes), layout.input_bytes, layout.output_bytes,
+                   layout.shared_bytes, layout.tied_embeddings, layout.token_embd_bytes, layout.kv_bytes_per_cell,
+                   layout.n_embd, layout.n_ff, layout.n_head, layout.n_vocab)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelCost":
+        return cls(**dict(d, layer_bytes=tuple(d["layer_bytes"])))
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), layer_bytes=list(self.layer_bytes))
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        total = sum(self.layer_bytes[start:end]) + self.shared_bytes
+        if start == 0:
+            total += self.input_bytes
+        if end == self.n_layer:
+            total += self.output_bytes
+            if self.tied_embeddings and start != 0:
+                total += self.token_embd_bytes
+        return total
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a worker is started with (meshnet worker --ctx, --max-sessions)."""
+    n_ctx: int = 2048
+    n_sessions: int = 8
+    n_batch: int = 512
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    mem: int                                   # bytes the node admits to its stage
+    settings: Settings = field(default_factory=Settings)
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    node: str
+    layers: LayerRange
+    bytes: int                                 # what the planner expects the stage to take
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "layers": [self.layers.start, self.layers.end], "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: list[PlannedStage]
+    left_out: dict[str, str]                   # node -> why it holds nothing
+
+    def to_dict(self) -> dict:
+        return {"stages": [s.to_dict() for s in self.stages], "left_out": self.left_out}
+
+
+def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Settings(),
+               overhead: int = OVERHEAD) -> int:
+    """Bytes a stage [start, end) takes: weights, KV for every session's context, the
+    engine's compute buffers and the process overhead."""
+    kv = (end - start) * cost.kv_bytes_per_cell * settings.n_ctx * settings.n_sessions
+    # llama.cpp's graph for a full batch: each head's attention scores over one
+    # session's context and the FFN's activations dominate; the tail's logits for the
+    # batch share that buffer (the allocator reuses it), so the larger of the two counts
+    compute = 4 * settings.n_batch * (cost.n_head * settings.n_ctx + cost.n_ff + 6 * cost.n_embd)
+    if end == cost.n_layer:
+        compute = max(compute, 4 * settings.n_batch * cost.n_vocab)
+    compute += COMPUTE_SLACK
+    return cost.weight_bytes(start, end) + kv + compute + overhead
+
+
+def plan(cost: ModelCost, nodes: list[Node], overhead: int = OVERHEAD, start: int = 0,
+         end: int | None = None) -> Plan:
+    """Layers [start, end) (the whole model by default) over NODES in route order, each
+    stage as large as its node admits. A node that cannot hold even the next layer is
+    left out (with the reason); when layers remain after the last node, MeshnetError
+    (model_does_not_fit) names the shortfall."""
+    end = cost.n_layer if end is None else end
+    at, stages, left_out = start, [], {}
+    last_stage_of_last_node = None
+    for index, node in enumerate(nodes):
+        if at == end:
+            left_out[node.name] = "not needed: the nodes before it hold every layer"
+            continue
+        fits = [b for b in range(at + 1, end + 1) if stage_need(cost, at, b, node.settings, overhead) <= node.mem]
+        if not fits:
+            left_out[node.name] = (f"admits {format_size(node.mem)}, layer {at} alone needs "
+                                   f"{format_size(stage_need(cost, at, at + 1, node.settings, overhead))}"
+                                   + (" (with the token embedding)" if at == 0 else ""))
+            continue
+        b = max(fits)   # need grows with b (the tail's output matrix only adds)
+        stages.append(PlannedStage(node.name, LayerRange(at, b, cost.n_layer),
+                                   stage_need(cost, at, b, node.settings, overhead)))
+        if index == len(nodes) - 1:
+            last_stage_of_last_node = stages[-1]
+        at = b
+    if at < end:
+        if not nodes:
+            raise MeshnetError(E.MODEL_DOES_NOT_FIT, "no node to plan over")
+        last = nodes[-1]
+        from_layer = last_stage_of_last_node.layers.start if last_stage_of_last_node else at
+        need = stage_need(cost, from_layer, end, last.settings, overhead)
+        shortfall = need - last.mem
+        held = "nothing" if not stages else ", ".join(f"{s.node} {s.layers.label}" for s in stages)
+        error = MeshnetError(
+            E.MODEL_DOES_NOT_FIT,
+            f"layers {at}..{end - 1} fit on no node: {shortfall} bytes ({format_size(shortfall)}) short. The nodes "
+            f"hold {held}; node {last.name} would need {format_size(need)} for layers {from_layer}..{end - 1} and "
+            f"admits {format_size(last.mem)}. Give a node more memory, add a node, or lower --ctx/--sessions",
+            shortfall_bytes=shortfall)
+        raise error
+    return Plan(stages, left_out)

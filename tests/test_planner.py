@@ -1,0 +1,123 @@
+"""The memory planner with plain numbers (a made-up model named as such), and once
+against what the engine really allocates for SmolLM2."""
+
+import pytest
+
+from meshnet.errors import MeshnetError
+from meshnet.planner import ModelCost, Node, Settings, format_size, parse_size, plan, stage_need
+
+MIB = 1 << 20
+TINY = Settings(n_ctx=16, n_sessions=1, n_batch=1)
+
+# a fake model for pure arithmetic: 10 layers of 10 MiB, a 25 MiB embedding on the head,
+# a 5 MiB output on the tail, no KV, compute of a few bytes beside the planner's 4 MiB slack
+FAKE_MODEL = ModelCost(n_layer=10, layer_bytes=(10 * MIB,) * 10, input_bytes=25 * MIB, output_bytes=5 * MIB,
+                       shared_bytes=0, tied_embeddings=False, token_embd_bytes=25 * MIB, kv_bytes_per_cell=0,
+                       n_embd=1, n_ff=1, n_head=1, n_vocab=1)
+
+
+def nodes(**mems):
+    return [Node(name, mem * MIB, TINY) for name, mem in mems.items()]
+
+
+def spans(result):
+    return [(s.node, s.layers.start, s.layers.end) for s in result.stages]
+
+
+def need(start, end):
+    return stage_need(FAKE_MODEL, start, end, TINY, overhead=0)
+
+
+def test_each_node_in_route_order_takes_as_many_layers_as_its_budget_allows_and_the_ranges_cover_exactly():
+    result = plan(FAKE_MODEL, nodes(a=70, b=70), overhead=0)
+    assert spans(result) == [("a", 0, 4), ("b", 4, 10)]
+    assert [s.bytes for s in result.stages] == [need(0, 4), need(4, 10)]
+    assert all(s.bytes <= 70 * MIB for s in result.stages)
+    assert result.left_out == {}
+
+
+def test_one_node_that_holds_everything_is_a_plan_of_one_and_later_nodes_are_not_needed():
+    result = plan(FAKE_MODEL, nodes(big=1000, other=1000), overhead=0)
+    assert spans(result) == [("big", 0, 10)]
+    assert "not needed" in result.left_out["other"]
+
+
+def test_the_tail_s_output_matrix_counts_where_it_lands():
+    # each stage: 4 MiB slack; b has room for 2 layers (24 MiB), not 3 + the output (39 MiB)
+    result = plan(FAKE_MODEL, nodes(a=100, b=38, c=20), overhead=0)
+    assert spans(result) == [("a", 0, 7), ("b", 7, 9), ("c", 9, 10)]
+
+
+def test_a_shortfall_is_refused_with_the_missing_bytes():
+    with pytest.raises(MeshnetError) as err:
+        plan(FAKE_MODEL, nodes(a=60, b=60), overhead=0)
+    assert err.value.code == "model_does_not_fit"
+    # a holds [0,3) (59 MiB); b holds [3,8) and would need 79 MiB for [3,10): 19 MiB short
+    assert err.value.context["shortfall_bytes"] == need(3, 10) - 60 * MIB
+    assert 19 * MIB <= err.value.context["shortfall_bytes"] < 19 * MIB + 1024
+    assert "layers 8..9 fit on no node" in err.value.message and "19.00 MiB" in err.value.message
+
+
+def test_one_node_too_small_for_the_whole_model_is_refused_with_the_shortfall():
+    with pytest.raises(MeshnetError) as err:
+        plan(FAKE_MODEL, nodes(only=100), overhead=0)
+    assert err.value.context["shortfall_bytes"] == need(0, 10) - 100 * MIB
+
+
+def test_a_budget_too_small_for_the_head_s_embeddings_is_left_out_with_the_reason():
+    result = plan(FAKE_MODEL, nodes(small=30, big=200), overhead=0)
+    assert spans(result) == [("big", 0, 10)]
+    assert "layer 0 alone needs 39.00 MiB (with the token embedding)" in result.left_out["small"]
+    with pytest.raises(MeshnetError) as err:
+        plan(FAKE_MODEL, nodes(small=30), overhead=0)
+    assert err.value.context["shortfall_bytes"] == need(0, 10) - 30 * MIB
+
+
+def test_kv_for_the_context_and_sessions_and_the_overhead_are_counted():
+    with_kv = ModelCost(**{**vars(FAKE_MODEL), "kv_bytes_per_cell": 1024})
+    settings = Settings(n_ctx=1024, n_sessions=4, n_batch=1)
+    assert (stage_need(with_kv, 0, 2, settings, overhead=7) - stage_need(FAKE_MODEL, 0, 2, settings, overhead=0)
+            == 2 * 1024 * 1024 * 4 + 7)
+    # the head: 25 MiB embedding + 4 MiB compute slack + 14 MiB per layer (10 weights, 4 KV)
+    assert plan(with_kv, [Node("a", 100 * MIB, settings), Node("b", 1000 * MIB, settings)],
+                overhead=0).stages[0].layers.end == 5
+
+
+def test_a_part_of_the_model_can_be_planned_alone_to_fill_a_gap():
+    result = plan(FAKE_MODEL, nodes(spare=40), overhead=0, start=4, end=7)
+    assert spans(result) == [("spare", 4, 7)]
+
+
+def test_cost_round_trips_through_plain_data():
+    assert ModelCost.from_dict(FAKE_MODEL.to_dict()) == FAKE_MODEL
+
+
+@pytest.mark.parametrize("text,value", [("800M", 800 * MIB), ("1.5G", int(1.5 * (1 << 30))), ("512MiB", 512 * MIB),
+                                        ("64k", 64 << 10), ("1048576", 1 << 20), ("2gb", 2 << 30)])
+def test_sizes_parse_in_binary_units(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "M", "-1G", "0", "lots", "1.5X"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(MeshnetError) as err:
+        parse_size(text)
+    assert err.value.code == "invalid_argument"
+
+
+def test_format_size():
+    assert format_size(1536 * MIB) == "1.50 GiB" and format_size(12) == "12 B"
+
+
+def test_the_estimate_is_within_2_percent_of_what_the_engine_allocates(smollm2_path):
+    from meshnet.engine import Stage
+    from meshnet.gguf_layout import read_layout
+
+    cost = ModelCost.from_layout(read_layout(smollm2_path))
+    settings = Settings(n_ctx=256, n_sessions=2, n_batch=64)
+    for start, end in ((0, 10), (10, 20), (20, 30)):
+        with Stage(smollm2_path, (start, end), n_ctx=256, max_sessions=2, n_batch=64, n_threads=1) as stage:
+            info = stage.info()
+            engine = info.model_bytes + info.kv_bytes + info.compute_bytes
+        estimate = stage_need(cost, start, end, settings, overhead=0)
+        assert abs(estimate - engine) <= 0.02 * engine + (4 << 20), (start, end, estimate, engine)
