@@ -40,6 +40,27 @@ def _usage_error(parse):
     return callback
 
 
+def _size(text: str) -> int:
+    from .planner import parse_size
+    return parse_size(text)
+
+
+def _node(text: str):
+    from .planner import parse_size
+
+    name, sep, mem = str(text).partition("=")
+    if not sep or not name:
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"'{text}' is not NAME=MEM (e.g. laptop=6G)")
+    return name, parse_size(mem)
+
+
+def _nodes(ctx, param, values):
+    try:
+        return [_node(v) for v in values]
+    except MeshnetError as e:
+        raise click.BadParameter(e.message) from None
+
+
 @main.command()
 @click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
@@ -140,8 +161,11 @@ class _TextStreamer:
 @main.command()
 @click.option("--coordinator", required=True, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
 @click.option("--model", default=None, help="model name or GGUF path [default: smollm2]")
-@click.option("--layers", required=True, callback=_usage_error(LayerRange.parse),
-              help="the half-open layer range A:B this worker holds, e.g. 0:15")
+@click.option("--layers", required=True, callback=_usage_error(lambda v: None if v == "auto" else LayerRange.parse(v)),
+              help="the half-open layer range A:B this worker holds, e.g. 0:15, or 'auto': the coordinator plans it "
+                   "within --mem")
+@click.option("--mem", default=None, callback=_usage_error(_size),
+              help="memory this worker admits, e.g. 800M or 1.5G (with --layers auto: the planner's budget for it)")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens per session")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=8, show_default=True)
@@ -153,16 +177,18 @@ class _TextStreamer:
                    "one machine, give each its own")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
 @click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
-def worker(coordinator, model, layers, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
+def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
            heartbeat_liveness):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from .worker import StageWorker, WorkerConfig
 
+    if layers is None and mem is None:
+        raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
     try:
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind, cpu=cpu)
+                              data_bind=data_bind, cpu=cpu, mem=mem)
         if max_queue is not None:
             config.max_queue = max_queue
         if heartbeat_interval is not None:
@@ -335,27 +361,6 @@ def accept(model, out_dir, threads):
                    + (f"  {check['error']}" if "error" in check and check["status"] != "passed" else ""))
     click.echo(f"{'PASSED' if manifest['passed'] else 'FAILED'}: evidence in {run_dir}")
     sys.exit(0 if manifest["passed"] else 1)
-
-
-def _size(text: str) -> int:
-    from .planner import parse_size
-    return parse_size(text)
-
-
-def _node(text: str):
-    from .planner import parse_size
-
-    name, sep, mem = str(text).partition("=")
-    if not sep or not name:
-        raise MeshnetError(errors.INVALID_ARGUMENT, f"'{text}' is not NAME=MEM (e.g. laptop=6G)")
-    return name, parse_size(mem)
-
-
-def _nodes(ctx, param, values):
-    try:
-        return [_node(v) for v in values]
-    except MeshnetError as e:
-        raise click.BadParameter(e.message) from None
 
 
 @main.command()

@@ -41,7 +41,9 @@ from .errors import MeshnetError
 from .generation import FeedHead, Finish, Generation, StopRule, Token
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
 from .metrics import percentiles
-from .tracker import StageOffer, build_route, head_gathers, offer_from_capability
+from .layers import LayerRange
+from .planner import OVERHEAD, ModelCost, Node, Settings, plan
+from .tracker import StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability
 
 log = logging.getLogger("meshnet.coordinator")
 
@@ -60,14 +62,26 @@ class WorkerRecord:
     identity: bytes
     name: str
     capability: dict
-    offer: StageOffer
+    offer: StageOffer | None     # None: started with --layers auto, holds nothing yet
     liveness: Liveness
+    assigning: LayerRange | None = None   # the range it was told to load and has not yet offered
+    assign_failed: str | None = None      # why loading its range failed: it is not planned for again
     sessions: set[int] = field(default_factory=set)
     # measured here: hop = round trip minus the worker's own time (its two timestamps)
     hops_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
     seam_bytes: int = 0
     replies: int = 0
     errors: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def label(self) -> str:
+        if self.offer is not None:
+            return self.offer.label
+        return f"loading {self.assigning.label}" if self.assigning else "standby"
+
+    @property
+    def layer_order(self) -> tuple:
+        return (0, self.offer.start, self.offer.end) if self.offer else (1, 0, 0)
 
 
 @dataclass
@@ -188,12 +202,16 @@ class Coordinator:
         request_timeout: float = REQUEST_TIMEOUT,
         max_payload: int = MAX_PAYLOAD,
         data_bind: str | None = None,
+        allow_mixed: bool = False,
+        overhead: int = OVERHEAD,
     ):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
         self.prefill_chunk = prefill_chunk
         self.request_timeout = request_timeout
         self.max_payload = max_payload
+        self.allow_mixed = allow_mixed      # let workers of other classes into a route; runs then report drift
+        self.overhead = overhead            # per worker process, for the planner
 
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -238,6 +256,8 @@ class Coordinator:
         self.pending: dict[int, Pending] = {}
         self._rids = itertools.count(secrets.randbits(40))
         self._sids = itertools.count(secrets.randbits(40))
+        self._registration_order = itertools.count()
+        self.plan_note: str | None = None   # why the standby workers were not given ranges
         self.counters: collections.Counter = collections.Counter()
         self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
@@ -279,6 +299,22 @@ class Coordinator:
     def route(self) -> list[StageOffer]:
         """The current route, or MeshnetError(route_incomplete) saying why there is none."""
         return self._submit(lambda f: f.set_result(self._route_offers())).result(5)
+
+    def route_report(self) -> dict:
+        """The route (or why there is none) and why each registered worker is not in it."""
+        def report(f):
+            offers = [w.offer for w in self.workers.values() if w.offer is not None]
+            try:
+                chosen = choose_route(offers, allow_mixed=self.allow_mixed)
+                result = {"route": [f"{o.label}@{o.worker}" for o in chosen.stages], "mixed": chosen.mixed,
+                          "kept_out": chosen.kept_out}
+            except MeshnetError as e:
+                result = {"route": None, "error": e.message, "kept_out": {}}
+            result["standby"] = {w.name: w.label + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
+                                 for w in self.workers.values() if w.offer is None}
+            result["plan_note"] = self.plan_note
+            f.set_result(result)
+        return self._submit(report).result(5)
 
     def wait_for_route(self, timeout: float = 60.0, n_stages: int | None = None) -> list[StageOffer]:
         deadline = time.monotonic() + timeout
@@ -322,7 +358,7 @@ class Coordinator:
     def stage_stats(self, timeout: float = 10.0) -> list[dict]:
         """HEALTH of every registered worker (KV in use, sessions, queue depth), in layer order."""
         def ask(f):
-            futures = [self._query(w, P.HEALTH, {}) for w in sorted(self.workers.values(), key=lambda w: w.offer.start)]
+            futures = [self._query(w, P.HEALTH, {}) for w in sorted(self.workers.values(), key=lambda w: w.layer_order)]
             f.set_result(futures)
         futures = self._submit(ask).result(timeout)
         return [dict(fut.result(timeout)) for fut in futures]
@@ -335,9 +371,9 @@ class Coordinator:
         deadline = time.monotonic() + timeout
 
         def ask(f):
-            workers = sorted(self.workers.values(), key=lambda w: w.offer.start)
+            workers = sorted(self.workers.values(), key=lambda w: w.layer_order)
             mine = [{
-                "stage": w.offer.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
+                "stage": w.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
                 "reply_errors": dict(w.errors), "last_heard_s": round(w.liveness.silent_for(), 3),
                 **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
             } for w in workers]
@@ -526,27 +562,34 @@ class Coordinator:
         if current is not None and current.capability == capability:
             current.liveness.heard()  # the same worker saying it again
             return
-        if current is not None:  # this connection now offers something else: what it offered is gone
+        if current is not None and current.offer is None and "layers" in capability:
+            del self.workers[identity]   # a standby worker offering the range it loaded: it had no sessions
+        elif current is not None:  # this connection now offers something else: what it offered is gone
             self._lose_worker(current, "announced a different capability")
         for other in [w for w in self.workers.values() if w.capability["worker_id"] == capability["worker_id"]]:
             # the worker process connected again: its old connection is dead, whatever it still delivers
             self._lose_worker(other, "connected again")
         # the worker process's id and this connection's: readable, and unique among the registered
-        offer = offer_from_capability(f"{capability['worker_id'][:8]}.{identity.hex()[-4:]}", capability)
-        self.workers[identity] = WorkerRecord(identity, offer.worker, capability, offer,
+        name = f"{capability['worker_id'][:8]}.{identity.hex()[-4:]}"
+        order = next(self._registration_order)
+        offer = offer_from_capability(name, capability, order) if "layers" in capability else None
+        self.workers[identity] = WorkerRecord(identity, name, capability, offer,
                                               Liveness(self.heartbeat_interval, self.heartbeat_liveness))
         self.counters["registrations"] += 1
+        self._guarded("planning for the standby workers", self._plan_standby)
 
     def _lose_worker(self, worker: WorkerRecord, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
             return
         self.counters["workers_lost"] += 1
+        if worker.offer is not None or worker.assigning is not None:
+            self._guarded("planning for the standby workers", self._plan_standby)
         elapsed_ms = int(worker.liveness.silent_for() * 1000)
         for rid in [rid for rid, p in self.pending.items() if p.worker == worker.identity]:
             pending = self.pending.pop(rid)
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(MeshnetError(E.STAGE_LOST, f"worker {worker.name} {reason}",
-                                                          stage=worker.offer.label, worker=worker.name))
+                                                          stage=worker.label, worker=worker.name))
         for sid in list(worker.sessions):
             session = self.sessions.get(sid)
             if session is not None:
@@ -584,10 +627,12 @@ class Coordinator:
 
     def _expire(self, pending: Pending) -> None:
         worker = self.workers.get(pending.worker)
-        where = f"stage {worker.offer.label} (worker {worker.name})" if worker else "a worker that has since gone"
+        where = f"stage {worker.label} (worker {worker.name})" if worker else "a worker that has since gone"
         error = MeshnetError(E.DEADLINE_EXCEEDED, f"no answer from {where} within {self.request_timeout:.0f} s")
         if pending.future is not None and not pending.future.done():
             pending.future.set_exception(error)
+        if pending.kind == "assign" and worker is not None:
+            self._assign_failed(worker, error.message)
         session = self.sessions.get(pending.sid) if pending.sid is not None else None
         if session is not None and not session.finished and pending.kind == "open":
             self._fail(session, MeshnetError(E.DEADLINE_EXCEEDED, error.message, stage=session.label(pending.stage),
@@ -596,10 +641,14 @@ class Coordinator:
     def _on_reply(self, worker: WorkerRecord, pending: Pending, msg: P.Message) -> None:
         if pending.kind == "query":
             if msg.type == P.ERROR:
-                pending.future.set_exception(MeshnetError(msg["code"], msg["message"], stage=worker.offer.label))
+                pending.future.set_exception(MeshnetError(msg["code"], msg["message"], stage=worker.label))
             else:
                 pending.future.set_result(msg.get("info", {}))
             return
+        if pending.kind == "assign":
+            if msg.type == P.ERROR:
+                self._assign_failed(worker, f"[{msg['code']}] {msg['message']}")
+            return   # loaded: its READY, offering the range, follows
         session = self.sessions.get(pending.sid)
         if session is None or session.finished or pending.kind in ("release", "cancel"):
             return
@@ -631,9 +680,67 @@ class Coordinator:
     # ---- sessions ---------------------------------------------------------------------
 
     def _route(self) -> list[WorkerRecord]:
-        offers = build_route(w.offer for w in self.workers.values())
+        try:
+            chosen = choose_route([w.offer for w in self.workers.values() if w.offer is not None],
+                                  allow_mixed=self.allow_mixed)
+        except MeshnetError as e:
+            waiting = [w for w in self.workers.values() if w.offer is None]
+            if waiting:
+                e = MeshnetError(e.code, f"{e.message}. {len(waiting)} worker(s) with --layers auto: "
+                                 + ", ".join(f"{w.name} {w.label}" + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
+                                             for w in waiting)
+                                 + (f"; {self.plan_note}" if self.plan_note else ""))
+            raise e from None
         by_name = {w.name: w for w in self.workers.values()}
-        return [by_name[o.worker] for o in offers]
+        return [by_name[o.worker] for o in chosen.stages]
+
+    # ---- planning for --layers auto workers -------------------------------------------
+
+    def _plan_standby(self) -> None:
+        """Give standby workers ranges: for each class they belong to, the layers no
+        worker of that class holds or is loading are planned over the standby workers of
+        that class, in the order they registered, each as large as its memory allows. A
+        gap that does not fit waits for more memory to be announced."""
+        standby = [w for w in self.workers.values() if w.offer is None and w.assigning is None and not w.assign_failed]
+        if not standby:
+            return
+        notes = []
+        for cls in dict.fromkeys(compat_class_of(w.capability) for w in standby):
+            nodes = [w for w in standby if compat_class_of(w.capability) == cls]
+            held = [w for w in self.workers.values() if compat_class_of(w.capability) == cls]
+            cost = ModelCost.from_dict(nodes[0].capability["cost"])
+            covered = [0] * cost.n_layer
+            for w in held:
+                r = w.offer.layers if w.offer is not None else w.assigning
+                if r is not None:
+                    covered[r.start:r.end] = [1] * (r.end - r.start)
+            for start, end in _gaps(covered):
+                try:
+                    result = plan(cost, [Node(w.name, w.capability["mem_bytes"],
+                                              Settings(w.capability["n_ctx"], w.capability["max_sessions"],
+                                                       w.capability["n_batch"])) for w in nodes],
+                                  self.overhead, start, end)
+                except MeshnetError as e:
+                    notes.append(f"layers {start}..{end - 1} wait for more memory: {e.message}")
+                    continue
+                by_name = {w.name: w for w in nodes}
+                for stage in result.stages:
+                    worker = by_name[stage.node]
+                    worker.assigning = stage.layers
+                    nodes.remove(worker)
+                    self.counters["assigned"] += 1
+                    log.info("coordinator: worker %s loads %s (planned %d bytes of its %d)", worker.name,
+                             stage.layers.label, stage.bytes, worker.capability["mem_bytes"])
+                    self._request(worker, P.ASSIGN, Pending("assign", None, worker.identity, -1,
+                                                            now() + self.request_timeout),
+                                  layers=[stage.layers.start, stage.layers.end])
+        self.plan_note = "; ".join(notes) or None
+
+    def _assign_failed(self, worker: WorkerRecord, why: str) -> None:
+        log.warning("coordinator: worker %s could not load %s: %s", worker.name, worker.assigning, why)
+        worker.assigning = None
+        worker.assign_failed = why
+        self._plan_standby()
 
     def _route_offers(self) -> list[StageOffer]:
         return [w.offer for w in self._route()]
@@ -820,3 +927,15 @@ def _same_host(endpoint: str) -> str:
         raise MeshnetError(E.BAD_ADDRESS, f"the coordinator needs a tcp:// address to serve the data plane, "
                            f"not {endpoint!r}")
     return endpoint.rsplit(":", 1)[0] + ":0"
+
+
+def _gaps(covered: list[int]) -> list[tuple[int, int]]:
+    """The half-open runs of zeros in COVERED: layers no worker holds."""
+    gaps, start = [], None
+    for i, c in enumerate([*covered, 1]):
+        if not c and start is None:
+            start = i
+        elif c and start is not None:
+            gaps.append((start, i))
+            start = None
+    return gaps

@@ -39,6 +39,7 @@ OPEN = "open"              # coordinator -> worker: open a session, with its key
 CANCEL = "cancel"          # coordinator -> worker: stop and drop a session
 RELEASE = "release"        # coordinator -> worker: free a session's KV
 SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
+ASSIGN = "assign"          # coordinator -> a worker started with --layers auto: load this range
 TOKENIZE = "tokenize"      # coordinator -> worker: text -> token ids, as llama.cpp does for the model
 DETOKENIZE = "detokenize"  # coordinator -> worker: token ids -> text
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
@@ -146,6 +147,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     CANCEL: {"sid": (INT, True, _u64)},
     RELEASE: {"sid": (INT, True, _u64)},
     SHUTDOWN: {},
+    ASSIGN: {"layers": (LIST, True, _range)},
     TOKENIZE: {"text": (STR, True, None), "add_special": (BOOL, False, None), "parse_special": (BOOL, False, None)},
     DETOKENIZE: {"tokens": (LIST, True, _tokens)},
     OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
@@ -194,7 +196,7 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "worker_id": (STR, True, _short_text),       # the same for every connection of one worker process
     "model_sha256": (STR, True, _sha256),
     "arch": (STR, True, _short_text),
-    "layers": (LIST, True, _range),
+    "layers": (LIST, False, _range),             # absent: --layers auto, waiting for the coordinator's plan
     "n_layer": (INT, True, _positive),
     "n_embd": (INT, True, _positive),
     "n_vocab": (INT, True, _positive),
@@ -205,7 +207,9 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "n_ctx": (INT, True, _positive),
     "n_batch": (INT, True, _positive),
     "admitted_bytes": (INT, True, _u64),
-    "data_endpoint": (STR, True, _endpoint),     # the PULL socket its inputs come to
+    "data_endpoint": (STR, False, _endpoint),    # the PULL socket its inputs come to (once it holds layers)
+    "mem_bytes": (INT, False, _u64),             # the memory it admits (--mem): what the planner may give it
+    "cost": (DICT, False, None),                 # the model's per-layer bytes (COST_FIELDS), to plan without the file
     "clock_id": (STR, True, _short_text),        # host and boot: equal ids share one monotonic clock
     "n_threads": (INT, False, _positive),        # the engine's compute threads
     "n_cpus": (INT, False, _positive),           # the CPUs this process may run on
@@ -232,12 +236,45 @@ def _checked_fields(schema: dict, values: dict, where: str, rid, sid) -> dict:
     return fields
 
 
+def _byte_count(v):
+    return 0 <= v < 1 << 48
+
+
+# a worker's model, as the planner counts it (planner.ModelCost)
+COST_FIELDS: dict[str, tuple] = {
+    "n_layer": (INT, True, _positive),
+    "layer_bytes": (LIST, True, lambda v: len(v) <= 1 << 16 and all(_is_int(b) and _byte_count(b) for b in v)),
+    "input_bytes": (INT, True, _byte_count),
+    "output_bytes": (INT, True, _byte_count),
+    "shared_bytes": (INT, True, _byte_count),
+    "tied_embeddings": (BOOL, True, None),
+    "token_embd_bytes": (INT, True, _byte_count),
+    "kv_bytes_per_cell": (INT, True, _byte_count),
+    "n_embd": (INT, True, _positive),
+    "n_ff": (INT, True, _nonneg),
+    "n_head": (INT, True, _nonneg),
+    "n_vocab": (INT, True, _positive),
+}
+
+
 def check_capability(capability: dict, rid: int | None = None) -> dict:
-    """A READY's capability, checked field by field and for consistency."""
+    """A READY's capability, checked field by field and for consistency: a worker holds
+    a range (and serves it on its data endpoint), or waits for one within its memory."""
     fields = _checked_fields(CAPABILITY_FIELDS, capability, "ready: capability", rid, None)
-    if fields["layers"][1] > fields["n_layer"]:
-        raise ProtocolError(E.BAD_FIELD, f"ready: capability: layers {fields['layers']} are outside a model of "
-                            f"{fields['n_layer']} layers", rid)
+    where = "ready: capability"
+    if "layers" in fields:
+        if fields["layers"][1] > fields["n_layer"]:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: layers {fields['layers']} are outside a model of "
+                                f"{fields['n_layer']} layers", rid)
+        if "data_endpoint" not in fields:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: a worker that holds layers gives its 'data_endpoint'", rid)
+    elif "mem_bytes" not in fields or "cost" not in fields:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: a worker without layers gives its 'mem_bytes' and the model's "
+                            "'cost' to be planned for", rid)
+    if "cost" in fields:
+        fields["cost"] = _checked_fields(COST_FIELDS, fields["cost"], f"{where}: cost", rid, None)
+        if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"]:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its layers disagree with n_layer {fields['n_layer']}", rid)
     return fields
 
 

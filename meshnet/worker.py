@@ -2,7 +2,9 @@
 
 This module is the control plane: one DEALER to the coordinator, heartbeats both ways,
 health, and open/release/cancel handed to the stage loop (stage_loop.py), which owns
-the engine and the data plane. The socket loop here never computes and never touches
+the engine and the data plane. A worker started with `--layers auto` loads nothing at
+first: it announces the memory it admits and the model's per-layer bytes, and loads the
+range the coordinator's planner assigns it (in a thread, so heartbeats go on). The socket loop here never computes and never touches
 an activation. The worker holds no routing knowledge beyond what the coordinator told
 it at open (each session's next hop): it runs its fixed layer range on what it is
 given, and nothing else (no generic tensor or graph execution).
@@ -13,8 +15,10 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import zmq
@@ -22,10 +26,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import errors as E
 from . import protocol as P
-from .engine import Stage
+from .engine import Stage, engine_pin
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Liveness, Pacer
 from .metrics import rss_bytes
+from .planner import ModelCost, Settings, format_size, stage_need
 from .stage_loop import Job, StageLoop
 
 MAX_QUEUE = 16            # steps waiting on the stage before "busy"
@@ -33,6 +38,7 @@ MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
 GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect scheduled: libzmq gave up
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
+LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
 # so that tests can prove `meshnet accept` notices; never set outside tests
 TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
@@ -51,6 +57,7 @@ class WorkerConfig:
     max_queue: int = MAX_QUEUE
     data_bind: str = "tcp://127.0.0.1:0"   # the data endpoint: loopback unless told otherwise
     cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
+    mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
 
@@ -83,44 +90,23 @@ def clock_id() -> str:
 class StageWorker:
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.stage = Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                           n_batch=config.n_batch, n_threads=config.n_threads)
-        info = self.stage.info()
-        self.info = info
-        self.capability = {
-            "model_sha256": config.model_sha256,
-            "arch": info.arch,
-            "layers": [info.layer_start, info.layer_end],
-            "n_layer": info.n_layer,
-            "n_embd": info.n_embd,
-            "n_vocab": info.n_vocab,
-            "engine_pin": info.engine_pin,
-            "backend": "CPU",
-            "wire_dtype": "f32",
-            "max_sessions": info.max_sessions,
-            "n_ctx": info.n_ctx,
-            "n_batch": info.n_batch,
-            "admitted_bytes": info.model_bytes + info.kv_bytes + info.compute_bytes,
-            "clock_id": clock_id(),
-            "n_threads": config.n_threads or len(os.sched_getaffinity(0)),
-            "n_cpus": len(os.sched_getaffinity(0)),
-            "pid": os.getpid(),
-            # one id for every connection this process makes: a coordinator that gets a
-            # READY from a new connection drops the old one, whatever it still delivers
-            "worker_id": uuid.uuid4().hex,
-        }
-        self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
         self.ctx = zmq.Context()
         if config.cpu is not None:
             # the I/O thread that receives an activation wakes the stage loop on its own CPU:
             # a wake-up on a CPU already running costs far less than one on an idle CPU
             self.ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, config.cpu)
         self.results = self.ctx.socket(zmq.PAIR)
-        endpoint = f"inproc://meshnet-stage-{uuid.uuid4().hex}"
-        self.results.bind(endpoint)
-        self.loop = StageLoop(self.stage, self.ctx, endpoint, config.data_bind, config.max_queue, self.max_payload,
-                              test_fault=TEST_FAULT, cpu=config.cpu)
-        self.capability["data_endpoint"] = self.loop.data_endpoint
+        self.results_endpoint = f"inproc://meshnet-stage-{uuid.uuid4().hex}"
+        self.results.bind(self.results_endpoint)
+        self.stage: Stage | None = None
+        self.loop: StageLoop | None = None
+        self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
+        self.worker_id = uuid.uuid4().hex
+        if config.layers is not None:
+            self._serve(Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
+                              n_batch=config.n_batch, n_threads=config.n_threads))
+        else:
+            self._wait_for_a_range()
         self.dealer: zmq.Socket | None = None
         self.epoch = 0
         # jobs waiting for the stage loop, by kind, each with its own bound
@@ -139,7 +125,54 @@ class StageWorker:
             P.SHUTDOWN: self._shutdown,
             P.TOKENIZE: self._tokenize,
             P.DETOKENIZE: self._detokenize,
+            P.ASSIGN: self._assign,
         }
+
+    def _common_capability(self, n_layer: int, arch: str, n_embd: int, n_vocab: int) -> dict:
+        return {
+            "model_sha256": self.config.model_sha256,
+            "arch": arch,
+            "n_layer": n_layer,
+            "n_embd": n_embd,
+            "n_vocab": n_vocab,
+            "engine_pin": engine_pin(),
+            "backend": "CPU",
+            "wire_dtype": "f32",
+            "max_sessions": self.config.max_sessions,
+            "n_ctx": self.config.n_ctx,
+            "n_batch": self.config.n_batch,
+            "clock_id": clock_id(),
+            "n_threads": self.config.n_threads or len(os.sched_getaffinity(0)),
+            "n_cpus": len(os.sched_getaffinity(0)),
+            "pid": os.getpid(),
+            # one id for every connection this process makes: a coordinator that gets a
+            # READY from a new connection drops the old one, whatever it still delivers
+            "worker_id": self.worker_id,
+            **({"mem_bytes": self.config.mem} if self.config.mem is not None else {}),
+        }
+
+    def _wait_for_a_range(self) -> None:
+        """--layers auto: announce the budget and the model's costs, hold nothing yet."""
+        from .gguf_layout import read_layout
+
+        layout = read_layout(self.config.model_path)
+        self.cost = ModelCost.from_layout(layout)
+        self.max_payload = self.config.n_batch * layout.n_embd * 4   # as it will be: bounds the control socket too
+        self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
+                               admitted_bytes=self.config.mem, cost=self.cost.to_dict())
+
+    def _serve(self, stage: Stage) -> None:
+        """Hold STAGE: its stage loop and data endpoint, and a capability that offers it."""
+        self.stage = stage
+        info = stage.info()
+        self.info = info
+        self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
+                               layers=[info.layer_start, info.layer_end],
+                               admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
+        self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
+        self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
+                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu)
+        self.capability["data_endpoint"] = self.loop.data_endpoint
 
     # connection
 
@@ -185,7 +218,8 @@ class StageWorker:
         """Its sessions are over: free them and drop the replies still owed to it."""
         self._submit(Job("release_all", 0, self.epoch))
         self.epoch += 1
-        self.loop.epoch = self.epoch
+        if self.loop is not None:
+            self.loop.epoch = self.epoch
         self.recent_rids.clear()
 
     def _send(self, frames: list) -> None:
@@ -230,6 +264,8 @@ class StageWorker:
             self._refuse(msg.rid, e.code, e.message, msg.get("sid"))
 
     def _submit(self, job: Job | None) -> None:
+        if self.loop is None:
+            return   # holds nothing: no session to release, no loop to stop
         self.loop.submit(job)
         self.results.send(b"", flags=zmq.NOBLOCK)   # wake the stage loop
 
@@ -242,9 +278,64 @@ class StageWorker:
         self.queued[queue_kind] += 1
         self._submit(job)
 
+    def _stage_loop(self) -> StageLoop:
+        if self.loop is None:
+            raise MeshnetError(E.UNASSIGNED, "this worker holds no layers yet: it waits for the coordinator to "
+                               "assign it a range" + (" (loading one now)" if self.loading else ""))
+        return self.loop
+
+    def _assign(self, msg: P.Message) -> None:
+        """Load the range the coordinator planned for this worker, in a thread: the socket
+        loop goes on with heartbeats meanwhile. The reply comes when the stage is loaded,
+        then a READY that offers it."""
+        if self.loop is not None or self.loading is not None or self.config.layers is not None:
+            raise MeshnetError(E.INVALID_ARGUMENT, "this worker already holds or is loading a range; a range is "
+                               "assigned once, to a worker started with --layers auto")
+        start, end = msg["layers"]
+        if end > self.cost.n_layer:
+            raise MeshnetError(E.BAD_RANGE, f"layers [{start},{end}) are outside the model's {self.cost.n_layer}")
+        settings = Settings(self.config.n_ctx, self.config.max_sessions, self.config.n_batch)
+        need = stage_need(self.cost, start, end, settings)
+        if need > self.config.mem:
+            raise MeshnetError(E.MODEL_DOES_NOT_FIT, f"layers [{start},{end}) need {format_size(need)}; this worker "
+                               f"admits {format_size(self.config.mem)} (--mem)")
+        future: Future = Future()
+
+        def load():
+            try:
+                future.set_result(Stage(self.config.model_path, (start, end), n_ctx=self.config.n_ctx,
+                                        max_sessions=self.config.max_sessions, n_batch=self.config.n_batch,
+                                        n_threads=self.config.n_threads))
+            except BaseException as e:  # handed to the socket loop, which answers with it
+                future.set_exception(e)
+        threading.Thread(target=load, name="meshnet-load", daemon=True).start()
+        self.loading = (msg.rid, future)
+
+    def _finish_loading(self) -> None:
+        rid, future = self.loading
+        self.loading = None
+        try:
+            stage = future.result()
+        except MeshnetError as e:
+            self._refuse(rid, e.code, e.message)
+            return
+        except Exception as e:
+            self._refuse(rid, E.MODEL_LOAD, f"loading the assigned range failed: {e}")
+            return
+        self._serve(stage)
+        self.loop.start()
+        self.poller.register(self.results, zmq.POLLIN)
+        self._send(P.encode(P.OK, rid))
+        self._send(P.encode(P.READY, 0, capability=self.capability))
+
     def _health(self, msg: P.Message) -> None:
         # answered here, never queued behind work: the stage loop's last snapshot of the
         # stage plus the socket loop's own counters
+        if self.loop is None:
+            self._send(P.encode(P.OK, msg.rid, info=dict(
+                requests=dict(self.requests), errors=dict(self.errors), stopping=self.stopping, rss_bytes=rss_bytes(),
+                state="loading" if self.loading else "waiting for a range")))
+            return
         stats = dict(self.loop.stats)
         errors = collections.Counter(stats.pop("errors", {}))
         errors.update(self.errors)
@@ -258,19 +349,23 @@ class StageWorker:
     def _control(self, msg: P.Message) -> None:
         if msg.type == P.OPEN and self.stopping:
             raise MeshnetError(E.SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
+        self._stage_loop()
         if msg.type == P.OPEN:
             msg.fields["reply"] = reachable(msg["reply"], self.config.coordinator)
         self._queue("control", Job(msg.type, msg.rid, self.epoch, sid=msg["sid"], msg=msg))
 
     def _cancel(self, msg: P.Message) -> None:
+        self._stage_loop()
         sid = msg["sid"]
         self._queue("control", Job("cancel", msg.rid, self.epoch, sid=sid))
         self.loop.cancel(sid)  # after the job is queued: its job is what forgets the cancel again
 
     def _tokenize(self, msg: P.Message) -> None:
+        self._stage_loop()
         self._queue("text", Job("tokenize", msg.rid, self.epoch, msg=msg))
 
     def _detokenize(self, msg: P.Message) -> None:
+        self._stage_loop()
         self._queue("text", Job("detokenize", msg.rid, self.epoch, msg=msg))
 
     def _shutdown(self, msg: P.Message) -> None:
@@ -289,16 +384,19 @@ class StageWorker:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        self.loop.start()
         self._connect()
         pacer = Pacer(self.config.heartbeat_interval)
-        poller = zmq.Poller()
-        poller.register(self.results, zmq.POLLIN)
+        poller = self.poller = zmq.Poller()
+        if self.loop is not None:
+            self.loop.start()
+            poller.register(self.results, zmq.POLLIN)
         poller.register(self.dealer, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         while True:
-            events = dict(poller.poll(interval_ms))
+            events = dict(poller.poll(LOADING_POLL_MS if self.loading else interval_ms))
+            if self.loading is not None and self.loading[1].done():
+                self._finish_loading()
             if self.results in events:
                 while self.results.poll(0):
                     self._relay_result()
@@ -308,7 +406,8 @@ class StageWorker:
                     self._refuse(None, E.OVERSIZED, why)
                 else:
                     self._handle(frames)
-            if self.stopping and sum(self.queued.values()) == 0 and not self.loop.jobs:
+            if self.stopping and sum(self.queued.values()) == 0 and not (self.loop and self.loop.jobs) \
+                    and self.loading is None:
                 break
             if self.monitor in events:
                 self._on_link_event()
@@ -331,7 +430,8 @@ class StageWorker:
     def _stop(self) -> int:
         self._submit(Job("release_all", 0, self.epoch))
         self._submit(None)
-        self.loop.join(timeout=30)
+        if self.loop is not None:
+            self.loop.join(timeout=30)
         self._send(P.encode(P.GOODBYE, 0))
         time.sleep(0.05)  # let the goodbye leave before the socket closes
         self.dealer.disable_monitor()
@@ -339,5 +439,6 @@ class StageWorker:
         self.dealer.close(linger=100)
         self.results.close(linger=0)
         self.ctx.term()
-        self.stage.close()
+        if self.stage is not None:
+            self.stage.close()
         return 0

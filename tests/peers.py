@@ -33,10 +33,11 @@ def wait_until(predicate, timeout=10.0):
     return False
 
 
-def start_worker(path, endpoint, layers, *extra, **popen):
+def start_worker(path, endpoint, layers, *extra, ctx=256, **popen):
+    """A worker process for LAYERS, (A, B) or "auto" (then give --mem in EXTRA)."""
+    layers = layers if isinstance(layers, str) else f"{layers[0]}:{layers[1]}"
     return subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", endpoint, "--model", path,
-                             "--layers", f"{layers[0]}:{layers[1]}", "--threads", str(THREADS), "--ctx", "256", *extra],
-                            **popen)
+                             "--layers", layers, "--threads", str(THREADS), "--ctx", str(ctx), *extra], **popen)
 
 
 def rss_kib(pid) -> int:
