@@ -210,7 +210,11 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
 @click.option("--json", "as_json", is_flag=True, help="with --prompt: one JSON object on the last line")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               help="serve Prometheus text at /metrics and JSON at /status on this port (127.0.0.1)")
-def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
+@click.option("--allow-mixed", is_flag=True,
+              help="let workers of another compatibility class (model file, engine pin, backend, wire dtype) into "
+                   "the route; every run then reports its drift from the whole model (needs --reference)")
+@click.option("--reference", default=None, help="with --allow-mixed: the whole model (name or GGUF path) runs are compared with")
+def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
@@ -220,10 +224,13 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
     from .engine import utf8_or_error
     from .metrics import MetricsServer
 
+    if allow_mixed and reference is None:
+        raise click.UsageError("--allow-mixed needs --reference MODEL: a mixed route's output is compared with it")
     try:
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")
-        coord = Coordinator(bind)
+        reference_path = str(models.resolve(reference)[0]) if reference else None
+        coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path)
     except MeshnetError as e:
         _fail(e)
     with coord:
@@ -235,10 +242,11 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
             last = None
             try:
                 while True:
-                    try:
-                        status = "route " + " ".join(f"{o.label}@{o.worker}" for o in coord.route())
-                    except MeshnetError as e:
-                        status = f"no route: {e.message}"
+                    report = coord.route_report()
+                    status = ("route " + " ".join(report["route"]) + (" (mixed classes)" if report.get("mixed") else "")
+                              if report["route"] else f"no route: {report['error']}")
+                    status += "".join(f"\n  kept out {name}: {why}" for name, why in report["kept_out"].items())
+                    status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
                     if status != last:
                         click.echo(status, err=True)
                         last = status
@@ -261,6 +269,10 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port):
                                    "metrics": dict(session.metrics, stop_reason=session.stop_reason)}))
         else:
             stream.finish()
+            if "drift" in session.metrics:
+                drift = session.metrics["drift"]
+                click.echo(f"mixed route: top-1 agreement {drift['top1_agreement']:.3f}, max |logit diff| "
+                           f"{drift['max_abs_logit_diff']:.4g} over {len(drift['steps'])} steps", err=True)
 
 
 @main.command()

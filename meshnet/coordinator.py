@@ -41,6 +41,7 @@ from .errors import MeshnetError
 from .generation import FeedHead, Finish, Generation, StopRule, Token
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
 from .metrics import percentiles
+from .drift import DriftMeter
 from .layers import LayerRange
 from .planner import OVERHEAD, ModelCost, Node, Settings, plan
 from .tracker import StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability
@@ -119,6 +120,7 @@ class Session:
     decode_seam_bytes: int = 0    # what crossed the seams for decode steps (after the first token)
     decode_crossings: int = 0
     suspect: tuple[MeshnetError, float] | None = None  # a stage could not pass it on: the error, unless a loss explains it by then
+    mixed: bool = False                 # stages of more than one class (allow_mixed): drift is measured
 
     def __post_init__(self):
         self.opens_waiting = len(self.route)
@@ -147,8 +149,9 @@ class SessionHandle:
     """A caller's view of one generation: iterate for tokens as they come, or wait for
     the result. Errors arrive as MeshnetError (code stage_lost, cancelled, ...)."""
 
-    def __init__(self, coordinator: "Coordinator", sid: int, events: SessionEvents):
+    def __init__(self, coordinator: "Coordinator", sid: int, events: SessionEvents, prompt_tokens: list[int]):
         self.coordinator, self.sid, self._events = coordinator, sid, events
+        self.prompt_tokens = prompt_tokens
         self.tokens: list[int] = []
         self.token_times: list[float] = []   # time.perf_counter() as each token reached the coordinator
         self.logits: list[np.ndarray] = []
@@ -175,6 +178,8 @@ class SessionHandle:
             elif kind == "done":
                 self._done = True
                 self.stop_reason, self.metrics, self.token_times = value
+                if self.metrics.get("mixed_route"):
+                    self.metrics["drift"] = self.coordinator.drift(self.prompt_tokens, self.tokens, self.logits)
             else:
                 self._done = True
                 raise value
@@ -203,6 +208,7 @@ class Coordinator:
         max_payload: int = MAX_PAYLOAD,
         data_bind: str | None = None,
         allow_mixed: bool = False,
+        reference_model: str | None = None,
         overhead: int = OVERHEAD,
     ):
         self.heartbeat_interval = heartbeat_interval
@@ -211,6 +217,7 @@ class Coordinator:
         self.request_timeout = request_timeout
         self.max_payload = max_payload
         self.allow_mixed = allow_mixed      # let workers of other classes into a route; runs then report drift
+        self.drift_meter = DriftMeter(reference_model) if reference_model else None
         self.overhead = overhead            # per worker process, for the planner
 
         self.ctx = zmq.Context()
@@ -284,6 +291,8 @@ class Coordinator:
             self._thread.join(timeout=5)
             for sock in self.pushes.values():
                 sock.close(linger=0)
+            if self.drift_meter is not None:
+                self.drift_meter.close()
             self.data.close(linger=0)
             self.router.close(linger=0)
             self.ctx.term()
@@ -299,6 +308,13 @@ class Coordinator:
     def route(self) -> list[StageOffer]:
         """The current route, or MeshnetError(route_incomplete) saying why there is none."""
         return self._submit(lambda f: f.set_result(self._route_offers())).result(5)
+
+    def drift(self, prompt_tokens: list[int], tokens: list[int], logits: list) -> dict:
+        """A mixed route's run against the whole model (the reference model given), per step."""
+        if self.drift_meter is None:
+            return {"measured": False, "why": "no whole model to compare with: give the coordinator a reference "
+                                               "model (meshnet coordinator --reference MODEL)"}
+        return dict(self.drift_meter.measure(prompt_tokens, tokens, logits), measured=True)
 
     def route_report(self) -> dict:
         """The route (or why there is none) and why each registered worker is not in it."""
@@ -343,7 +359,7 @@ class Coordinator:
         events = SessionEvents()
         self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, gen, want_logits, events,
                                              sid=sid, events=events))
-        return SessionHandle(self, sid, events)
+        return SessionHandle(self, sid, events, list(prompt_tokens))
 
     def cancel(self, sid: int) -> None:
         self._submit(lambda f: self._cancel_session(sid))
@@ -758,7 +774,10 @@ class Coordinator:
             return
         gen.chunk = min(gen.chunk, *(w.capability["n_batch"] for w in route))
         gen.depth = len(route)
+        mixed = len({compat_class_of(w.capability) for w in route}) > 1
+        want_logits = want_logits or mixed   # a mixed route's every step is compared with the whole model
         session = Session(sid, secrets.randbits(63), route, gen, want_logits, events, now() + self.request_timeout)
+        session.mixed = mixed
         self.sessions[sid] = session
         last = len(route) - 1
         gather = head_gathers([w.capability for w in route])
@@ -888,6 +907,8 @@ class Coordinator:
             "seam_crossings": session.crossings,
             "decode_seam_bytes_per_token": session.decode_seam_bytes / per_seam_step if per_seam_step else None,
             "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
+            **({"mixed_route": True, "route_classes": [str(compat_class_of(w.capability)) for w in session.route]}
+               if session.mixed else {}),
         }
 
     def _end(self, session: Session, skip_stage: int | None, message_type: str) -> None:

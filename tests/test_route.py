@@ -205,3 +205,23 @@ def test_a_model_bigger_than_one_node_is_split_by_the_planner_across_two(qwen_pa
                 assert n < cost.weight_bytes(0, cost.n_layer) + (128 << 20)
         finally:
             stop(workers)
+
+
+def test_allow_mixed_lets_another_class_in_and_every_run_reports_its_drift_from_the_whole_model(smollm2_path, tmp_path):
+    other = mutated_copy(smollm2_path, tmp_path)    # another sha256, the same weights: no drift to find
+    prompt_tokens, expected = whole_model(smollm2_path, 256)
+    with Coordinator(allow_mixed=True, reference_model=smollm2_path, **FAST_HEARTBEAT) as coordinator:
+        workers = []
+        try:
+            workers += [start_worker(smollm2_path, coordinator.endpoint, (0, 19)),
+                        start_worker(other, coordinator.endpoint, (19, 30))]
+            assert wait_until(lambda: route_of(coordinator) == [(0, 19), (19, 30)], timeout=30), coordinator.route_report()
+            assert coordinator.route_report()["mixed"]
+            session = coordinator.generate(prompt_tokens, 24, stop_at_eog=False).result(120)
+            assert session.tokens == expected
+            drift = session.metrics["drift"]
+            assert drift["measured"] and len(drift["steps"]) == 24
+            assert drift["top1_agreement"] == 1.0 and drift["max_abs_logit_diff"] == 0.0
+            assert len(set(session.metrics["route_classes"])) == 2
+        finally:
+            stop(workers)
