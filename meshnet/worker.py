@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -75,6 +76,26 @@ def reachable(endpoint: str, coordinator: str) -> str:
         coordinator_host = coordinator.partition("://")[2].rpartition(":")[0]
         return f"tcp://{coordinator_host}:{port}"
     return endpoint
+
+
+def advertised(endpoint: str, coordinator: str) -> str:
+    """A data endpoint bound to every interface (tcp://0.0.0.0:P) is useless to a peer as
+    written: advertise the address this host reaches the coordinator from, which the
+    other stages, on the coordinator's side of the network, can reach too."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in ("*", "0.0.0.0", "[::]", "::"):
+        return endpoint
+    coordinator_host, _, coordinator_port = coordinator.partition("://")[2].rpartition(":")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(coordinator_host.strip("[]"), int(coordinator_port),
+                                                      type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)   # UDP: no packet is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except (OSError, ValueError, IndexError):
+        return endpoint
+    return f"tcp://{f'[{local}]' if ':' in local else local}:{port}"
 
 
 def clock_id() -> str:
@@ -172,7 +193,7 @@ class StageWorker:
         self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu)
-        self.capability["data_endpoint"] = self.loop.data_endpoint
+        self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
 
     # connection
 

@@ -225,3 +225,73 @@ def test_allow_mixed_lets_another_class_in_and_every_run_reports_its_drift_from_
             assert len(set(session.metrics["route_classes"])) == 2
         finally:
             stop(workers)
+
+
+# the assignment protocol, against a real worker started with --layers auto
+
+
+def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and_offers_it(smollm2_path):
+    from meshnet import protocol as P
+    from peers import FakeCoordinator
+
+    fake = FakeCoordinator()
+    worker = start_worker(smollm2_path, fake.endpoint, "auto", "--mem", "300M")
+    try:
+        cap = fake.wait_ready()
+        assert "layers" not in cap and cap["mem_bytes"] == 300 << 20 and cap["cost"]["n_layer"] == 30
+        refused = fake.request(P.OPEN, sid=1, key=1, stage=0, next=fake.data_endpoint, reply=fake.data_endpoint,
+                               prompt_len=1, max_tokens=1, stop_at_eog=False)
+        assert refused.type == P.ERROR and refused["code"] == "unassigned"
+        assert fake.request(P.HEALTH).type == P.OK                    # answered while it holds nothing
+        too_big = fake.request(P.ASSIGN, layers=[0, 30])              # 300 MiB cannot hold it at --ctx 256 x 8
+        assert too_big.type == P.ERROR and too_big["code"] == "model_does_not_fit" and "--mem" in too_big["message"]
+        assert fake.request(P.ASSIGN, layers=[0, 40])["code"] == "bad_range"
+        fake.rid += 1
+        ok = fake.reply_to(P.encode(P.ASSIGN, fake.rid, layers=[0, 12]), timeout=60)
+        assert ok.type == P.OK, ok.fields
+        offered = P.decode(fake.recv(10), 1 << 30)
+        assert offered.type == P.READY and offered["capability"]["layers"] == [0, 12]
+        assert "data_endpoint" in offered["capability"]
+        again = fake.request(P.ASSIGN, layers=[12, 30])
+        assert again.type == P.ERROR and again["code"] == "invalid_argument"   # a range is assigned once
+    finally:
+        stop([worker])
+
+
+def _standby_capability(**overrides):
+    from peers import capability
+
+    cost = ModelCost(n_layer=30, layer_bytes=(1,) * 30, input_bytes=1, output_bytes=1, shared_bytes=0,
+                     tied_embeddings=True, token_embd_bytes=1, kv_bytes_per_cell=1, n_embd=576, n_ff=1, n_head=1,
+                     n_vocab=49152).to_dict()
+    cap = capability(mem_bytes=1 << 30, cost=cost, **overrides)
+    del cap["layers"], cap["data_endpoint"]
+    return cap
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda c: c.pop("mem_bytes"), "'mem_bytes'"),
+    (lambda c: c.pop("cost"), "'cost'"),
+    (lambda c: c["cost"].update(n_layer=31), "disagree with n_layer"),
+    (lambda c: c["cost"].update(layer_bytes=[1] * 29), "disagree with n_layer"),
+    (lambda c: c["cost"].update(layer_bytes=[-1] * 30), "layer_bytes"),
+    (lambda c: c["cost"].update(rogue=1), "unknown field"),
+    (lambda c: c.update(layers=[0, 30]), "'data_endpoint'"),
+], ids=["no-mem", "no-cost", "cost-n_layer", "short-layer-bytes", "negative-bytes", "unknown-cost-field", "layers-no-endpoint"])
+def test_a_capability_is_either_a_range_with_its_endpoint_or_a_budget_with_the_model_s_costs(change, why):
+    from meshnet import protocol as P
+
+    assert P.check_capability(_standby_capability())["mem_bytes"] == 1 << 30
+    cap = _standby_capability()
+    change(cap)
+    with pytest.raises(P.ProtocolError) as err:
+        P.check_capability(cap)
+    assert err.value.code == "bad_field" and why in err.value.message
+
+
+def test_a_worker_bound_to_every_interface_advertises_the_address_it_reaches_the_coordinator_from():
+    from meshnet.worker import advertised
+
+    assert advertised("tcp://0.0.0.0:7000", "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:7000"
+    assert advertised("tcp://*:7000", "tcp://localhost:5555") == "tcp://127.0.0.1:7000"
+    assert advertised("tcp://10.1.2.3:7000", "tcp://127.0.0.1:5555") == "tcp://10.1.2.3:7000"   # as bound
