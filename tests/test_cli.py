@@ -152,3 +152,23 @@ def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
         for w in workers:
             w.terminate()
         assert [w.wait(timeout=30) for w in workers] == [0, 0]
+
+
+def test_plan_splits_qwen_over_two_nodes_that_cannot_hold_it_alone_and_refuses_one_with_the_shortfall(qwen_path):
+    nodes = ["--node", "laptop=1G", "--node", "mini=1G", "--ctx", "512", "--sessions", "2"]
+    result = meshnet("plan", qwen_path, *nodes, "--json")
+    assert result.returncode == 0, result.stderr
+    stages = json.loads(result.stdout)["stages"]
+    assert [s["node"] for s in stages] == ["laptop", "mini"]
+    assert stages[0]["layers"][0] == 0 and stages[0]["layers"][1] == stages[1]["layers"][0] and stages[1]["layers"][1] == 28
+    assert all(0 < s["bytes"] <= 1 << 30 for s in stages)
+
+    table = meshnet("plan", qwen_path, *nodes)
+    assert table.returncode == 0 and "laptop" in table.stdout and f"[0,{stages[0]['layers'][1]})" in table.stdout
+
+    alone = meshnet("plan", qwen_path, "--node", "laptop=1G", "--ctx", "512", "--sessions", "2")
+    assert alone.returncode == 3
+    assert "model_does_not_fit" in alone.stderr and "bytes" in alone.stderr and "short" in alone.stderr
+
+    bad = meshnet("plan", qwen_path, "--node", "laptop")
+    assert bad.returncode == 2 and "NAME=MEM" in bad.stderr
