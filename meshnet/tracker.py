@@ -45,6 +45,7 @@ class StageOffer:
     layers: LayerRange          # bound to the model: n_layer is known
     compat_class: CompatClass
     registered: int = 0         # the order workers registered in: earlier is smaller
+    n_embd: int = 0             # the residual's width: stages of a mixed route must agree on it
 
     @property
     def model_sha256(self) -> str:
@@ -75,7 +76,7 @@ def compat_class_of(capability: dict) -> CompatClass:
 def offer_from_capability(worker: str, capability: dict, registered: int = 0) -> StageOffer:
     start, end = capability["layers"]
     return StageOffer(worker=worker, layers=LayerRange(start, end, capability["n_layer"]),
-                      compat_class=compat_class_of(capability), registered=registered)
+                      compat_class=compat_class_of(capability), registered=registered, n_embd=capability["n_embd"])
 
 
 @dataclass
@@ -103,10 +104,13 @@ def choose_route(offers: Iterable[StageOffer], model_sha256: str | None = None, 
         raise MeshnetError(ROUTE_INCOMPLETE, "no worker has registered" + (f" for model {model_sha256[:12]}" if model_sha256 else ""))
 
     # the pools a route may be drawn from: one per class, or with allow_mixed one per
-    # model shape (a different model's layers cannot continue another's residual)
+    # model shape (a model of another shape cannot continue the residual)
+    def pool_of(o: StageOffer):
+        return (o.n_layer, o.n_embd) if allow_mixed else o.compat_class
+
     pools: dict[object, list[StageOffer]] = {}
     for o in offers:
-        pools.setdefault(o.n_layer if allow_mixed else o.compat_class, []).append(o)
+        pools.setdefault(pool_of(o), []).append(o)
     candidates = [(key, route) for key, pool in pools.items() if (route := _best_chain(pool)) is not None]
     if candidates:
         key, stages = min(candidates, key=lambda c: _preference(c[1]))
@@ -115,7 +119,7 @@ def choose_route(offers: Iterable[StageOffer], model_sha256: str | None = None, 
         for o in offers:
             if o.worker in kept_out or o in stages:
                 continue
-            if (o.n_layer if allow_mixed else o.compat_class) != key:
+            if pool_of(o) != key:
                 kept_out[o.worker] = _class_reason(o, reference, stages[0].worker)
             else:
                 kept_out[o.worker] = f"spare: another worker holds {o.label} in the route"
@@ -124,8 +128,7 @@ def choose_route(offers: Iterable[StageOffer], model_sha256: str | None = None, 
     # no class makes a route: explain the pool of the earliest registered worker, and
     # why the others cannot help it
     first = min(offers, key=lambda o: o.registered)
-    key = first.n_layer if allow_mixed else first.compat_class
-    pool = pools[key]
+    pool = pools[pool_of(first)]
     reasons = [_why_no_route(pool, first.n_layer)]
     others = [o for o in offers if o not in pool]
     if others:

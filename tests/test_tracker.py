@@ -14,9 +14,9 @@ CPU = ("llama.cpp@0c1e57098", "CPU", "f32")
 _order = itertools.count()
 
 
-def offer(worker, start, end, *, sha=SHA_A, n_layer=30, compat=CPU, registered=None):
+def offer(worker, start, end, *, sha=SHA_A, n_layer=30, compat=CPU, registered=None, n_embd=576):
     return StageOffer(worker=worker, layers=LayerRange(start, end, n_layer), compat_class=CompatClass(sha, *compat),
-                      registered=next(_order) if registered is None else registered)
+                      registered=next(_order) if registered is None else registered, n_embd=n_embd)
 
 
 def refusal(offers, **kwargs) -> str:
@@ -136,6 +136,10 @@ def test_allow_mixed_lets_other_classes_of_the_same_shape_in_and_says_the_route_
     assert [o.worker for o in route.stages] == ["h", "t-gpu"] and route.mixed
     assert route.kept_out["other-model"].startswith("hash mismatch")
     assert not choose_route([offer("h", 0, 15), offer("t", 15, 30)], allow_mixed=True).mixed
+    # a model of another width cannot continue the residual, mixed or not
+    head = offer("h", 0, 15)
+    assert "t-wide [15,30) (hash mismatch" in refusal([head, offer("t-wide", 15, 30, sha=SHA_B, n_embd=1536)],
+                                                      allow_mixed=True)
 
 
 def test_model_filter_with_no_worker_for_that_model_says_so():
