@@ -214,7 +214,10 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
               help="let workers of another compatibility class (model file, engine pin, backend, wire dtype) into "
                    "the route; every run then reports its drift from the whole model (needs --reference)")
 @click.option("--reference", default=None, help="with --allow-mixed: the whole model (name or GGUF path) runs are compared with")
-def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference):
+@click.option("--data-bind", default=None,
+              help="where the stages send tokens back, e.g. tcp://10.0.0.1:5556 (a fixed port for a firewall) "
+                   "[default: the --bind address's host, a free port]")
+def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
@@ -230,7 +233,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")
         reference_path = str(models.resolve(reference)[0]) if reference else None
-        coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path)
+        coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path, data_bind=data_bind)
     except MeshnetError as e:
         _fail(e)
     with coord:
@@ -265,8 +268,11 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         except MeshnetError as e:
             _fail(e)
         if as_json:
+            # each stage's own numbers (RSS, model and KV bytes, forwards), asked before the
+            # workers are left: the run's evidence from every host
             click.echo(json.dumps({"tokens": session.tokens, "text": text,
-                                   "metrics": dict(session.metrics, stop_reason=session.stop_reason)}))
+                                   "metrics": dict(session.metrics, stop_reason=session.stop_reason),
+                                   "stages": coord.metrics()["stages"]}))
         else:
             stream.finish()
             if "drift" in session.metrics:

@@ -138,8 +138,10 @@ def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
     prompt = "The capital of France is"
     port = 20000 + os.getpid() % 20000
     address = f"tcp://127.0.0.1:{port}"
+    data_address = f"tcp://127.0.0.1:{port + 1}"
     coordinator = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "coordinator", "--bind", address, "--prompt", prompt,
-                                    "--max-tokens", "12", "--json", "--wait", "60"], stdout=subprocess.PIPE, text=True)
+                                    "--max-tokens", "12", "--json", "--wait", "60", "--data-bind", data_address],
+                                   stdout=subprocess.PIPE, text=True)
     workers = [subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", address,
                                  "--layers", layers, "--threads", str(THREADS)]) for layers in ("0:15", "15:30")]
     try:
@@ -148,6 +150,9 @@ def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
         report = last_json_line(out)
         with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
             assert report["tokens"] == whole.generate(whole.head.tokenize(prompt), 12).tokens
+        # every stage's own numbers come with the run, from the workers themselves
+        assert [s["stage"] for s in report["stages"]] == ["[0,15)", "[15,30)"]
+        assert all(s["rss_bytes"] > 0 and s["model_bytes"] > 0 for s in report["stages"])
     finally:
         for w in workers:
             w.terminate()

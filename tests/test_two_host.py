@@ -1,0 +1,161 @@
+"""tools/two-host.sh: the commands it runs on two hosts over ssh (--dry-run), what it
+refuses, and one run through an ssh stand-in that runs each command on this machine."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from meshnet.gguf_layout import read_layout
+
+SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "two-host.sh"
+SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
+RUN_ID = re.compile(r"meshnet-two-host-\d{8}-\d{6}-\d+")
+
+
+def two_host(*args, **env):
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("HOST_A", "HOST_B", "ADDR_A", "ADDR_B", "MESHNET", "MESHNET_B", "MODEL", "LAYERS",
+                                "PORT", "DATA_PORT", "THREADS", "PROMPT", "MAX_TOKENS", "WAIT", "REMOTE_DIR", "SSH")}
+    return subprocess.run([str(SCRIPT), *args], env={**environment, "PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def dry_run(*args, **env):
+    result = two_host(*args, "--dry-run", **env)
+    assert result.returncode == 0, result.stderr
+    return [RUN_ID.sub("RUN", line) for line in result.stdout.splitlines()]
+
+
+def remote(line):
+    """The command a dry-run line runs on its host: ssh's last argument."""
+    return shlex.split(line)[-1]
+
+
+def test_dry_run_prints_every_command_checks_first_then_workers_coordinator_report_and_stop(smollm2_path):
+    first, second = (f"{r.start}:{r.end}" for r in read_layout(smollm2_path).balanced_ranges(2))
+    lines = dry_run("--host-a", "alice@10.0.0.1", "--host-b", "bob@10.0.0.2", "--meshnet", "/opt/mn/bin/meshnet",
+                    "--port", "6000", "--data-port", "6001", "--threads", "2", "--prompt", "It's a test",
+                    "--max-tokens", "8")
+    model_test = 'test -f "${MESHNET_HOME:-$HOME/.cache/meshnet}/models"/SmolLM2-135M-Instruct.Q4_1.gguf'
+    stop = ('for f in {}; do [ -f "$f" ] || continue; p=$(cat "$f"); kill "$p" 2>/dev/null; i=0; while kill -0 "$p" '
+            '2>/dev/null && [ $i -lt 20 ]; do sleep 0.5; i=$((i+1)); done; kill -0 "$p" 2>/dev/null && kill -9 "$p"; '
+            'rm -f "$f"; done; true')
+    report = 'ps -o pid=,rss=,time= -p "$(cat /tmp/RUN-worker-{0}.pid)" 2>/dev/null; tail -n 20 /tmp/RUN-worker-{0}.log 2>/dev/null; true'
+    worker = ("nohup /opt/mn/bin/meshnet worker --coordinator tcp://10.0.0.1:6000 --model smollm2 --layers {} "
+              "--data-bind tcp://{}:6001 --threads 2 > /tmp/RUN-worker-{}.log 2>&1 < /dev/null & echo $! > /tmp/RUN-worker-{}.pid")
+    expected = [
+        ("alice@10.0.0.1", "/opt/mn/bin/meshnet --version"),
+        ("alice@10.0.0.1", model_test),
+        ("bob@10.0.0.2", "/opt/mn/bin/meshnet --version"),
+        ("bob@10.0.0.2", model_test),
+        ("bob@10.0.0.2", worker.format(second, "10.0.0.2", "b", "b")),
+        ("alice@10.0.0.1", worker.format(first, "10.0.0.1", "a", "a")),
+        ("alice@10.0.0.1", "echo $$ > /tmp/RUN-coordinator.pid; exec /opt/mn/bin/meshnet coordinator --bind "
+                           "tcp://10.0.0.1:6000 --prompt 'It'\\''s a test' --max-tokens 8 --wait 120 --json"),
+        ("alice@10.0.0.1", report.format("a")),
+        ("bob@10.0.0.2", report.format("b")),
+        ("alice@10.0.0.1", stop.format("/tmp/RUN-coordinator.pid /tmp/RUN-worker-a.pid")),
+        ("bob@10.0.0.2", stop.format("/tmp/RUN-worker-b.pid")),
+    ]
+    assert len(lines) == len(expected)
+    for line, (host, command) in zip(lines, expected):
+        assert line.startswith(f"{SSH} {host} "), line
+        assert remote(line) == command, line
+    # nothing is installed anywhere: no package manager, no model download, no copying
+    assert not [line for line in lines if re.search(r"\b(pip|apt|apt-get|install|ensure|curl|wget|scp|rsync)\b", line)]
+
+
+def test_given_layers_a_model_path_the_environment_and_one_address_for_both_hosts():
+    lines = dry_run(HOST_A="me@box", HOST_B="me@box", ADDR_A="192.168.1.5", ADDR_B="192.168.1.5",
+                    MODEL="/models/my model.gguf", LAYERS="0:12,12:24", MESHNET_B="/other/meshnet", REMOTE_DIR="/var/tmp")
+    commands = [remote(line) for line in lines]
+    assert commands[1] == commands[3] == "test -f '/models/my model.gguf'"
+    assert commands[2] == "/other/meshnet --version"
+    # the same address twice: the second worker takes the next data port
+    assert "--model '/models/my model.gguf' --layers 12:24 --data-bind tcp://192.168.1.5:5557" in commands[4]
+    assert commands[4].startswith("nohup /other/meshnet worker --coordinator tcp://192.168.1.5:5555 ")
+    assert "--layers 0:12 --data-bind tcp://192.168.1.5:5556" in commands[5]
+    assert "> /var/tmp/RUN-worker-a.log 2>&1" in commands[5]
+    assert "--prompt 'The capital of France is' --max-tokens 48" in commands[6]
+
+
+def test_missing_or_bad_flags_are_refused_before_anything_runs():
+    cases = [
+        (["--host-b", "b@h"], "--host-a (or HOST_A) is missing"),
+        (["--host-a", "a@h"], "--host-b (or HOST_B) is missing"),
+        (["--host-a", "a@h", "--host-b", "b@h", "--port"], "--port needs a value"),
+        (["--host-a", "a@h", "--host-b", "b@h", "--port", "x"], "--port must be a number, not 'x'"),
+        (["--host-a", "a@h", "--host-b", "b@h", "--frobnicate"], "unknown argument '--frobnicate'"),
+        (["--host-a", "a@h", "--host-b", "b@h", "--layers", "0:10,12:30"], "is not two ranges that meet"),
+        (["--host-a", "a@h", "--host-b", "b@h", "--model", "/no/such.gguf"], "--layers (or LAYERS) is missing"),
+    ]
+    for args, message in cases:
+        result = two_host("--dry-run", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and result.stdout == "", (args, result.stderr)
+
+
+def test_the_layers_must_cover_the_model_it_has_here(smollm2_path):
+    n_layer = read_layout(smollm2_path).n_layer
+    result = two_host("--host-a", "a@h", "--host-b", "b@h", "--layers", f"0:10,10:{n_layer - 1}", "--dry-run")
+    assert result.returncode == 2 and f"does not end at the model's {n_layer} layers" in result.stderr
+
+
+# through an ssh stand-in: each "host" is this machine
+
+
+def fake_ssh(tmp_path):
+    ssh = tmp_path / "ssh"
+    ssh.write_text('#!/bin/sh\n# drops the options and the destination, runs the command here\n'
+                   'while [ "$1" = -o ]; do shift 2; done\nshift\nexec sh -c "$*"\n')
+    ssh.chmod(0o755)
+    return str(ssh)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hosts(tmp_path, **flags):
+    args = ["--host-a", "a@127.0.0.1", "--host-b", "b@127.0.0.1", "--threads", "1", "--remote-dir", str(tmp_path),
+            "--meshnet", str(Path(sys.executable).with_name("meshnet"))]
+    for flag, value in flags.items():
+        args += [f"--{flag.replace('_', '-')}", str(value)]
+    return args
+
+
+def test_a_run_through_an_ssh_stand_in_generates_reports_both_sides_and_stops_everything(tmp_path, smollm2_path):
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12), SSH=fake_ssh(tmp_path))
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(output["tokens"]) == 12 and output["metrics"]["stages"] == [
+        [r.start, r.end] for r in read_layout(smollm2_path).balanced_ranges(2)]
+    assert re.search(r"two-host: 12 tokens after a \d+-token prompt; .* decode [\d.]+ tok/s, hop p50 \d+ us",
+                     result.stderr)
+    pids = [int(m) for m in re.findall(r"^ *(\d+) +\d+ +[\d:-]+$", result.stderr, re.M)]
+    if shutil.which("ps"):
+        assert len(pids) == 2, result.stderr   # each worker's pid, RSS and CPU time
+    for pid in pids:   # stopped, and their pid files gone
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert not list(tmp_path.glob("*.pid"))
+
+
+def test_a_host_without_meshnet_or_the_model_stops_the_run_before_anything_starts(tmp_path, smollm2_path):
+    result = two_host(*hosts(tmp_path, meshnet="/no/meshnet"), SSH=fake_ssh(tmp_path))
+    assert result.returncode == 3
+    assert "no meshnet at '/no/meshnet' on a@127.0.0.1" in result.stderr and "installs nothing" in result.stderr
+    empty = tmp_path / "home"
+    empty.mkdir()
+    layers = ",".join(f"{r.start}:{r.end}" for r in read_layout(smollm2_path).balanced_ranges(2))
+    result = two_host(*hosts(tmp_path, layers=layers), SSH=fake_ssh(tmp_path), MESHNET_HOME=str(empty))
+    assert result.returncode == 3
+    assert "model 'smollm2' is not on a@127.0.0.1" in result.stderr and "installs nothing" in result.stderr
+    assert not list(tmp_path.glob("*.log")) and not list(tmp_path.glob("*.pid"))

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Two hosts on one machine: two network namespaces, A (10.77.0.1) and B (10.77.0.2),
+# joined by a link of their own. A runs the coordinator (tools/netns_check.py) and the
+# worker for the first layers, B the worker for the rest; every socket is bound to a
+# namespace address, so each activation crosses the link. The checker then compares the
+# route with the whole model in one process (tokens, logits, 4 concurrent sessions) and
+# prints decode tok/s and hop latency next to the whole model's.
+#   tools/netns-two-host.sh [MODEL]        default: smollm2; root only
+# Environment:
+#   DELAY=2ms   a one-way delay, each direction (a ping's round trip grows by 2 x DELAY),
+#               put on the link by tools/delay_wire.py between two TAP devices: the
+#               kernels this runs on may have no netem, and where one has it the wire
+#               is still used, so that the path measured is the one tested. Unset: a
+#               plain veth pair.
+#   PORT        the coordinator's port (default 5555: the namespaces are private).
+#   PYTHON      the interpreter with meshnet (default: the active or the project's venv).
+# Exit status: 0 every check held, 1 one did not (or a process failed), 2 a bad DELAY,
+# 77 no namespaces can be made here (not root, no `ip`, no /dev/net/tun for DELAY):
+# the reason is on stderr, for a test to report as a skip.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+skip() { echo "netns-two-host: cannot build two hosts here: $*" >&2; exit 77; }
+
+if [ -n "${PYTHON:-}" ]; then py=$PYTHON
+elif [ -n "${VIRTUAL_ENV:-}" ]; then py=$VIRTUAL_ENV/bin/python
+else py=$root/.venv/bin/python
+fi
+model=${1:-${MODEL:-}}
+port=${PORT:-5555}
+delay=${DELAY:-}
+addr_a=10.77.0.1
+addr_b=10.77.0.2
+
+[ "$(id -u)" -eq 0 ] || skip "network namespaces need root (uid $(id -u))"
+command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
+if [ -n "$delay" ] && [ ! -c /dev/net/tun ]; then skip "DELAY needs TAP devices and there is no /dev/net/tun"; fi
+
+# the model's path once, so that every process loads the one file; the split gives each
+# stage an even share of the per-token work; where there are two CPUs, each "host" gets
+# one for its stage's data path, as on two machines
+plan=$("$py" -c '
+import os, sys
+from meshnet import models
+from meshnet.gguf_layout import read_layout
+path = models.resolve(sys.argv[1] or None)[0]
+print(path)
+print(",".join(f"{r.start}:{r.end}" for r in read_layout(path).balanced_ranges(2)))
+cpus = sorted(os.sched_getaffinity(0))
+print(f"{cpus[0]} {cpus[1]}" if len(cpus) > 1 else "")' "$model") ||
+    { echo "netns-two-host: $py could not read the model (PYTHON: an interpreter with meshnet)" >&2; exit 1; }
+model_path=$(sed -n 1p <<<"$plan")
+layers=$(sed -n 2p <<<"$plan")
+cpus=$(sed -n 3p <<<"$plan")
+first=${layers%%,*}
+second=${layers#*,}
+
+# names unique to this run, so that runs side by side never meet; interface names stay
+# within the kernel's 15 characters
+ns_a=meshnet-a-$$
+ns_b=meshnet-b-$$
+link_a=mn$$a
+link_b=mn$$b
+logs=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-netns.XXXXXX")
+pids=()
+names=()
+made_ns=()
+
+cleanup() {
+    local status=$? pid i
+    trap - EXIT INT TERM
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for i in $(seq 50); do  # a worker says goodbye first: give it 5 s
+        local alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ "$alive" -eq 0 ] && break
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    for ns in "${made_ns[@]}"; do
+        # anything else still living in the namespace was started by this run
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+        ip netns del "$ns" 2>/dev/null || true   # takes the links inside with it
+    done
+    ip link del "$link_a" 2>/dev/null || true    # not yet moved, when setting up failed
+    case $status in
+    0 | 77 | 130 | 143) ;;   # passed, skipped or stopped by the user: nothing to explain
+    *)
+        for i in "${!names[@]}"; do
+            [ -s "$logs/${names[$i]}.log" ] || continue
+            echo "--- last lines of ${names[$i]}:" >&2
+            tail -n 15 "$logs/${names[$i]}.log" >&2
+        done
+        ;;
+    esac
+    rm -rf "$logs"
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+start() {  # start NAME NAMESPACE COMMAND...: in the background, its output in NAME.log
+    local name=$1 ns=$2
+    shift 2
+    if [ -n "$ns" ]; then
+        ip netns exec "$ns" "$@" > "$logs/$name.log" 2>&1 &
+    else
+        "$@" > "$logs/$name.log" 2>&1 &
+    fi
+    pids+=($!)
+    names+=("$name")
+}
+
+for ns in "$ns_a" "$ns_b"; do
+    ip netns add "$ns" 2>"$logs/ip.err" || skip "'ip netns add' failed: $(cat "$logs/ip.err")"
+    made_ns+=("$ns")
+    ip netns exec "$ns" true 2>"$logs/ip.err" || skip "'ip netns exec' failed: $(cat "$logs/ip.err")"
+    ip -n "$ns" link set lo up
+done
+
+if [ -z "$delay" ]; then
+    ip link add "$link_a" type veth peer name "$link_b" 2>"$logs/ip.err" || skip "no veth pair: $(cat "$logs/ip.err")"
+    wire="a veth pair"
+else
+    start wire "" "$py" "$root/tools/delay_wire.py" --delay "$delay" "$link_a" "$link_b"
+    for _ in $(seq 100); do
+        grep -q '^ready' "$logs/wire.log" && break
+        if ! kill -0 "${pids[-1]}" 2>/dev/null; then
+            wait "${pids[-1]}" && status=0 || status=$?
+            [ "$status" -eq 77 ] && skip "$(tail -n 1 "$logs/wire.log")"
+            exit "$(( status == 2 ? 2 : 1 ))"   # the log explains, on the way out
+        fi
+        sleep 0.1
+    done
+    grep -q '^ready' "$logs/wire.log" || { echo "netns-two-host: the delaying wire did not start" >&2; exit 1; }
+    delay_us=$(sed -n 's/^ready .* delay_us=\([0-9]*\)$/\1/p' "$logs/wire.log")
+    wire="two TAP devices and tools/delay_wire.py ($delay one-way, each direction)"
+fi
+ip link set "$link_a" netns "$ns_a"
+ip link set "$link_b" netns "$ns_b"
+ip -n "$ns_a" addr add "$addr_a/24" dev "$link_a"
+ip -n "$ns_b" addr add "$addr_b/24" dev "$link_b"
+ip -n "$ns_a" link set "$link_a" up
+ip -n "$ns_b" link set "$link_b" up
+
+coordinator=tcp://$addr_a:$port
+echo "netns: $ns_a ($addr_a) and $ns_b ($addr_b) joined by $wire"
+echo "netns: $ns_a runs the coordinator ($coordinator) and layers $first; $ns_b layers $second; model $model_path"
+
+cpu_a=() cpu_b=()
+if [ -n "$cpus" ]; then cpu_a=(--cpu "${cpus% *}") cpu_b=(--cpu "${cpus#* }"); fi
+worker=("$py" -m meshnet.cli worker --coordinator "$coordinator" --model "$model_path" --threads 1 --ctx 1024)
+start "worker $first" "$ns_a" "${worker[@]}" --layers "$first" --data-bind "tcp://$addr_a:0" "${cpu_a[@]}"
+start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tcp://$addr_b:0" "${cpu_b[@]}"
+
+# the checker's output is ours; the workers reconnect until its coordinator listens
+ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" --model "$model_path" \
+    --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" &
+checker=$!
+pids+=("$checker")
+while kill -0 "$checker" 2>/dev/null; do
+    for i in "${!names[@]}"; do
+        if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+            echo "netns-two-host: ${names[$i]} ended before the checks did" >&2
+            exit 1
+        fi
+    done
+    sleep 0.2
+done
+wait "$checker"

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""The checks of tools/netns-two-host.sh, run in its namespace A. This process is the
+coordinator of a route whose workers run in two network namespaces; once the route is
+whole it checks, against the whole model run in this one process:
+
+  parity     each prompt's greedy tokens through the route are the whole model's
+             (and the largest |logit difference| is reported);
+  isolation  the prompts run as concurrent sessions give exactly what each gave alone;
+  the wire   the ICMP round trip to the other namespace is at least twice --delay-us;
+
+prints the route's decode tokens/s and hop latency next to the whole model's, and one
+JSON object on the last line. Exit status 0 only when every check held."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import struct
+import sys
+import time
+
+import numpy as np
+
+from meshnet import models
+from meshnet.coordinator import Coordinator
+from meshnet.errors import MeshnetError
+from meshnet.gguf_layout import read_layout
+from meshnet.layers import LayerRange
+from meshnet.pipeline import LocalPipeline
+
+PROMPTS = [
+    "The old lighthouse keeper climbed the stairs every night, and",
+    "A recipe for bread needs flour, water, salt and",
+    "In 1969 the first astronauts landed on the Moon, and",
+    "The three laws of thermodynamics say that",
+]
+PINGS = 20
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def icmp_checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    total = (total >> 16) + (total & 0xFFFF)
+    total += total >> 16
+    return ~total & 0xFFFF
+
+
+def ping_ms(host: str, count: int = PINGS, timeout: float = 1.0) -> list[float]:
+    """ICMP echo round trips in ms; a raw socket (we are root: the namespaces need it)
+    so that no ping binary is needed. The first echo also resolves the neighbour (ARP)
+    and is left out."""
+    ident = os.getpid() & 0xFFFF
+    rtts = []
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as sock:
+        for seq in range(count + 1):
+            body = b"meshnet-netns-ping".ljust(56, b".")
+            header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+            packet = struct.pack("!BBHHH", 8, 0, icmp_checksum(header + body), ident, seq) + body
+            sent = time.perf_counter()
+            sock.sendto(packet, (host, 0))
+            while (left := sent + timeout - time.perf_counter()) > 0:
+                if not select.select([sock], [], [], left)[0]:
+                    break
+                reply = sock.recv(2048)
+                at = (reply[0] & 0x0F) * 4   # past the IP header
+                kind, _, _, rid, rseq = struct.unpack("!BBHHH", reply[at:at + 8])
+                if kind == 0 and rid == ident and rseq == seq:
+                    if seq > 0:
+                        rtts.append((time.perf_counter() - sent) * 1e3)
+                    break
+            time.sleep(0.01)
+    return rtts
+
+
+def max_logit_diff(got: list[np.ndarray], expected: list[np.ndarray]) -> float:
+    if len(got) != len(expected):
+        return float("inf")
+    return max((float(np.abs(a - b).max()) for a, b in zip(got, expected)), default=0.0)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bind", required=True, help="the coordinator's address, e.g. tcp://10.77.0.1:5555")
+    parser.add_argument("--model", default=None, help="model name or GGUF path [default: smollm2]")
+    parser.add_argument("--layers", required=True, help="the ranges the workers hold, e.g. 0:19,19:30")
+    parser.add_argument("--threads", type=int, default=1, help="the workers' --threads: the whole model runs with as many")
+    parser.add_argument("--ctx", type=int, default=1024, help="the workers' --ctx")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--peer", required=True, help="the other namespace's address, pinged")
+    parser.add_argument("--delay-us", type=int, default=0, help="the wire's one-way delay")
+    parser.add_argument("--wait", type=float, default=60, help="seconds to wait for the route")
+    args = parser.parse_args(argv)
+
+    report: dict = {"ok": False}
+    try:
+        ok = check(args, report)
+    except MeshnetError as e:
+        say(f"error: {e}")
+        report["error"] = e.to_dict()
+        ok = False
+    report["ok"] = ok
+    say(json.dumps(report))
+    return 0 if ok else 1
+
+
+def check(args, report: dict) -> bool:
+    path, _ = models.resolve(args.model)
+    n_layer = read_layout(path).n_layer
+    ranges = [LayerRange.parse(r, n_layer) for r in args.layers.split(",")]
+    with Coordinator(args.bind) as coordinator:
+        route = coordinator.wait_for_route(args.wait, n_stages=len(ranges))
+        labels = [o.label for o in route]
+        report["route"] = labels
+        say(f"route     {' '.join(f'{o.label}@{o.worker}' for o in route)} (coordinator {coordinator.endpoint})")
+        if labels != [r.label for r in ranges]:
+            say(f"FAILED: the route is {labels}, not the ranges the workers were given")
+            return False
+
+        rtts = ping_ms(args.peer)
+        rtt_ok = bool(rtts) and statistics.median(rtts) >= 2 * args.delay_us / 1e3
+        report["delay_us"] = args.delay_us
+        report["rtt_ms"] = {"min": min(rtts), "median": statistics.median(rtts), "max": max(rtts),
+                            "n": len(rtts)} if rtts else None
+        if rtts:
+            say(f"ping      {args.peer}: rtt min {min(rtts):.3f} / median {statistics.median(rtts):.3f} / max "
+                f"{max(rtts):.3f} ms over {len(rtts)} echoes (one-way delay set: {args.delay_us / 1e3:g} ms)")
+        if not rtt_ok:
+            say(f"FAILED: the round trip to {args.peer} is not at least 2 x {args.delay_us} us")
+
+        # the truth, computed while the workers sit idle: the same thread count and context
+        # as theirs give the same floats
+        whole = {}
+        with LocalPipeline(path, [LayerRange(0, n_layer, n_layer)], n_ctx=args.ctx, max_sessions=1,
+                           n_threads=args.threads) as pipe:
+            for prompt in PROMPTS:
+                tokens = pipe.head.tokenize(prompt)
+                whole[prompt] = (tokens, pipe.generate(tokens, args.tokens, keep_logits=True, stop_at_eog=False))
+
+        alone = {}
+        for prompt in PROMPTS:
+            alone[prompt] = coordinator.generate(whole[prompt][0], args.tokens, want_logits=True,
+                                                 stop_at_eog=False).result(120)
+        parity = all(alone[p].tokens == whole[p][1].tokens for p in PROMPTS)
+        diff = max(max_logit_diff(alone[p].logits, whole[p][1].logits) for p in PROMPTS)
+        report["parity"] = parity
+        report["max_logit_diff"] = diff
+        say(f"parity    {len(PROMPTS)} prompts x {args.tokens} greedy tokens through the route "
+            f"{'equal' if parity else 'DIFFER from'} the whole model's in one process; max |logit diff| {diff:g}")
+
+        sessions = [coordinator.generate(whole[p][0], args.tokens, stop_at_eog=False) for p in PROMPTS]
+        together = [s.result(120) for s in sessions]
+        isolation = all(s.tokens == alone[p].tokens for s, p in zip(together, PROMPTS))
+        report["isolation"] = isolation
+        stats = coordinator.stage_stats()
+        shared = sum(s["batched_entries"] - s["forwards"] for s in stats)
+        say(f"isolation {len(PROMPTS)} concurrent sessions {'each gave' if isolation else 'did NOT each give'} "
+            f"exactly its tokens alone ({shared} steps shared a forward call with another)")
+
+        route_decode = statistics.median(alone[p].metrics["decode_tok_s"] for p in PROMPTS)
+        whole_decode = statistics.median(whole[p][1].metrics["decode_tok_s"] for p in PROMPTS)
+        # one session's hops, as its decode rate is one session's: medians over the prompts
+        hop_p50 = statistics.median(alone[p].metrics["hop_us_p50"] for p in PROMPTS)
+        hop_p99 = statistics.median(alone[p].metrics["hop_us_p99"] for p in PROMPTS)
+        report.update(route_decode_tok_s=route_decode, whole_decode_tok_s=whole_decode, hop_us_p50=hop_p50,
+                      hop_us_p99=hop_p99)
+        say(f"decode    route {route_decode:.1f} tok/s, whole model in one process {whole_decode:.1f} tok/s "
+            f"(one session, {args.threads} thread(s) per stage, median of {len(PROMPTS)} prompts)")
+        say(f"hop       one session: p50 {hop_p50:.0f} us, p99 {hop_p99:.0f} us (medians of {len(PROMPTS)} prompts)")
+        for s in coordinator.metrics()["stages"]:
+            if s.get("hop_us_p50") is not None:
+                say(f"hop       into {s['stage']}, every crossing (concurrent sessions included): "
+                    f"p50 {s['hop_us_p50']:.0f} us, p99 {s['hop_us_p99']:.0f} us")
+        return parity and isolation and rtt_ok
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
