@@ -22,12 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from . import models
-from .cluster import LocalCluster
+from .cluster import LocalCluster, start_auto_worker
+from .coordinator import Coordinator
 from .engine import engine_pin
 from . import errors
 from .errors import MeshnetError
 from .gguf_layout import read_layout
+from .layers import LayerRange
 from .pipeline import LocalPipeline
+from .planner import ModelCost, Node, Settings, format_size, plan
 
 SCHEMA_VERSION = 1
 N_TOKENS = 32
@@ -38,6 +41,9 @@ PROMPTS = [
     "The three laws of thermodynamics say that",
 ]
 STAGE_LOST_BOUND_S = 3.0
+AUTO_CTX, AUTO_SESSIONS = 1024, 4    # what the --layers auto workers keep KV for
+CHECK_NAMES = ("whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup",
+               "kill_worker", "planned_route", "standby_replaces_lost_stage")
 
 
 class Checks:
@@ -221,12 +227,13 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
         except MeshnetError as e:
             metrics["stages_error"] = e.message
     except MeshnetError as e:  # the cluster did not start: every check is recorded as not run
-        for name in ("whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup",
-                     "kill_worker"):
+        for name in CHECK_NAMES[:6]:
             if checks.status(name) is None:
                 checks.results.append({"name": name, "status": "not_run", "reason": f"cluster did not start: {e}"})
     finally:
         cluster.close()
+
+    _planned_route_checks(checks, path, layout, reference, threads, metrics, commands)
 
     run_id = f"{started.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
     manifest = {
@@ -246,6 +253,109 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float) + "\n")
     (run_dir / "README.md").write_text(_readme(manifest))
     return manifest, run_dir
+
+
+def _smallest_split_budget(cost: ModelCost, settings: Settings) -> int:
+    """The least memory (in 16 MiB steps) with which two nodes hold the model and one does not."""
+    step = 16 << 20
+    mem = step
+    while True:
+        try:
+            plan(cost, [Node("a", mem, settings), Node("b", mem, settings)])
+            return mem
+        except MeshnetError:
+            mem += step
+
+
+def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads: int, metrics: dict,
+                          commands: list) -> None:
+    """Three --layers auto workers, each with a budget too small for the whole model: the
+    coordinator plans the route over the first two, the third stands by and takes the
+    range of a stage that is killed."""
+    cost = ModelCost.from_layout(layout)
+    settings = Settings(AUTO_CTX, AUTO_SESSIONS)
+    mem = _smallest_split_budget(cost, settings)
+    whole_need = cost.weight_bytes(0, layout.n_layer)
+    planned = [s.layers for s in plan(cost, [Node("a", mem, settings), Node("b", mem, settings)]).stages]
+    beat = ["--heartbeat-interval", "0.1", "--heartbeat-liveness", "10"]
+    coordinator = Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10)
+    commands.append(f"meshnet worker --coordinator {coordinator.endpoint} --model {path} --layers auto --mem {mem} "
+                    f"--threads {threads} --ctx {AUTO_CTX} --max-sessions {AUTO_SESSIONS} {' '.join(beat)}  (x3)")
+    workers = []
+
+    def route_now():
+        return [s.split("@")[0] for s in coordinator.route_report()["route"] or []]
+
+    def wait(predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def planned_route():
+        for _ in range(3):
+            workers.append(start_auto_worker(coordinator.endpoint, str(path), mem, threads=threads, n_ctx=AUTO_CTX,
+                                             max_sessions=AUTO_SESSIONS, extra=beat))
+        formed = wait(lambda: route_now() == [r.label for r in planned] and coordinator.route_report()["standby"], 90)
+        if not formed:
+            return False, {"route_report": coordinator.route_report()}
+        tokens, expected = reference[PROMPTS[0]]
+        got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False, want_logits=True).result(120)
+        pids = {tuple(w["layers"]): w["pid"] for w in coordinator.workers_snapshot() if "layers" in w}
+        rss = {LayerRange(*k).label: _rss_bytes(pid) for k, pid in pids.items()}
+        diff = _max_diff(got.logits, expected.logits)
+        return got.tokens == expected.tokens and diff == 0.0 and all(v <= mem for v in rss.values()), {
+            "budget_bytes": mem, "budget": format_size(mem), "one_node_refused": _refused_alone(cost, mem, settings),
+            "model_weight_bytes": whole_need, "route": route_now(), "rss_bytes": rss,
+            "tokens_equal": got.tokens == expected.tokens, "max_abs_logit_diff": diff}
+
+    def standby_replaces_lost_stage():
+        report = coordinator.route_report()
+        tail_name = report["route"][-1].split("@")[1]
+        pid = next(w["pid"] for w in coordinator.workers_snapshot() if w["name"] == tail_name)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        whole_again = wait(lambda: not coordinator.route_report()["standby"]
+                           and route_now() == [r.label for r in planned], 60)
+        seconds = time.monotonic() - t0
+        tokens, expected = reference[PROMPTS[1]]
+        got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False).result(120)
+        return whole_again and got.tokens == expected.tokens, {
+            "killed": report["route"][-1], "seconds_to_route_whole_again": seconds,
+            "route_after": coordinator.route_report()["route"], "new_session_ok": got.tokens == expected.tokens}
+
+    try:
+        checks.run("planned_route", "3 --layers auto workers, each too small for the whole model: the coordinator "
+                   "plans the route by memory over two, the output equals the whole model's, each RSS within budget",
+                   planned_route)
+        checks.run("standby_replaces_lost_stage", "kill -9 of the planned tail: the standby worker is planned into "
+                   "its range with no restart, and new sessions get the whole model's tokens", standby_replaces_lost_stage,
+                   "planned_route")
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+        for w in workers:
+            try:
+                w.wait(timeout=15)
+            except Exception:
+                w.kill()
+        coordinator.close()
+
+
+def _refused_alone(cost: ModelCost, mem: int, settings: Settings) -> dict:
+    try:
+        plan(cost, [Node("alone", mem, settings)])
+        return {"refused": False}
+    except MeshnetError as e:
+        return {"refused": True, "code": e.code, "shortfall_bytes": e.context.get("shortfall_bytes")}
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
 def _readme(m: dict) -> str:

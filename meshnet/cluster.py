@@ -90,6 +90,15 @@ def _describe_exit(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+def start_auto_worker(coordinator: str, model_path: str, mem: int, *, threads: int = 0, n_ctx: int = 2048,
+                      max_sessions: int = 4, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """A `--layers auto` worker child: the coordinator's planner gives it its range."""
+    args = [sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", coordinator, "--model", str(model_path),
+            "--layers", "auto", "--mem", str(mem), "--threads", str(threads), "--ctx", str(n_ctx),
+            "--max-sessions", str(max_sessions), *extra]
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+
 def _layer_range(layers: LayerRange | tuple[int, int]) -> LayerRange:
     return layers if isinstance(layers, LayerRange) else LayerRange(*layers)
 

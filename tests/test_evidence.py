@@ -38,14 +38,19 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
     manifest = manifest_in(tmp_path)
     assert manifest["passed"]
     checks = {c["name"]: c for c in manifest["checks"]}
-    # the schema allows any six entries from its list: each check must be there, once
-    assert len(manifest["checks"]) == 6 and set(checks) == {
-        "whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup", "kill_worker"}
+    # the schema allows entries from its list: each check must be there, once
+    assert len(manifest["checks"]) == 8 and set(checks) == {
+        "whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup", "kill_worker",
+        "planned_route", "standby_replaces_lost_stage"}
     assert all(c["status"] == "passed" for c in checks.values())
     assert checks["whole_model_parity"]["tokens_equal"] and len(checks["whole_model_parity"]["tokens"]) == 32
     assert checks["whole_model_parity"]["max_abs_logit_diff"] == 0.0
     assert checks["kill_worker"]["error"]["code"] == "stage_lost"
     assert checks["kill_worker"]["seconds_to_error"] <= checks["kill_worker"]["bound_seconds"]
+    planned = checks["planned_route"]
+    assert planned["one_node_refused"]["refused"] and planned["one_node_refused"]["shortfall_bytes"] > 0
+    assert len(planned["route"]) == 2 and all(n <= planned["budget_bytes"] for n in planned["rss_bytes"].values())
+    assert checks["standby_replaces_lost_stage"]["new_session_ok"]
     assert manifest["identity"]["model"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert manifest["metrics"]["session"]["decode_tok_s"] > 0
     assert all(s["rss_bytes"] > 0 for s in manifest["metrics"]["stages"])
