@@ -51,6 +51,13 @@ void log_to_thread(enum ggml_log_level level, const char * text, void *) {
 void init_llama_once() {
     static std::once_flag once;
     std::call_once(once, [] {
+        // ggml's CPU backend multiplies K-quant weights (Q4_K, Q6_K, ...) with a tiled
+        // kernel once a batch has 8 rows or more and with per-row dot products below that;
+        // the two round differently, so a row's result would depend on how many rows
+        // shared its forward call: a prompt chunked otherwise, or a session batched with
+        // others, would give other logits. The switch is read once per process, by ggml
+        // itself; a user who sets it explicitly keeps their choice.
+        setenv("GGML_CPU_TILED_MM", "0", /*overwrite=*/0);
         llama_log_set(log_to_thread, nullptr);
         llama_backend_init();
     });
@@ -208,6 +215,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
     mparams.layer_start = ranged ? il_start : 0;
     mparams.layer_end   = ranged ? il_end   : 0;
+    // no repacked weight layouts (Q4_K, Q4_0, IQ4_NL on AVX2/NEON): their kernels run a
+    // gemm over groups of 4 rows and a gemv over the rest, which round differently, so a
+    // session's logits would depend on which sessions shared its forward call. With the
+    // plain layout every row is its own dot products: batching stays bit-exact.
+    mparams.use_extra_bufts = false;
     stage->model = llama_model_load_from_file(p->model_path, mparams);
     if (!stage->model) {
         err = format("llama.cpp could not load '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());

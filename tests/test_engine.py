@@ -304,3 +304,35 @@ def test_unsplittable_architecture_with_a_range_names_the_architecture(tmp_path)
     writer.close()
     error = _expect("unsupported_arch", Stage, path, (0, 2))
     assert "gpt2" in error.message and "cannot be split" in error.message
+
+
+# a row's result never depends on the rows beside it: on K-quant weights ggml has kernels
+# that switch with the batch's size (repacked gemm/gemv, the tiled matmul from 8 rows)
+
+
+def test_a_k_quant_model_gives_each_row_the_same_result_whatever_the_number_of_rows_in_the_call(qwen_path):
+    prompt = list(range(1000, 1016))
+    with Stage(qwen_path, (0, 2), n_ctx=256, max_sessions=8, n_threads=THREADS) as stage:
+        first_rows = {}
+        for sid, n in enumerate((1, 2, 4, 8, 12, 16)):
+            stage.open_session(sid)
+            first_rows[n] = stage.forward([Entry(sid, 0, tokens=np.asarray(prompt[:n], dtype=np.int32))], False).residual
+        for n, rows in first_rows.items():
+            assert np.array_equal(rows[0], first_rows[1][0]), n
+            assert np.array_equal(rows, first_rows[16][:n]), n
+
+
+def test_a_k_quant_model_batches_sessions_bit_exactly(qwen_path):
+    from meshnet.pipeline import Request
+
+    prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, counting from zero.\"\"\"\n",
+               "SELECT name, email FROM users WHERE created_at > '2024-01-01' AND",
+               "# Sort a list of dictionaries in place by the value of their 'age' key\n",
+               "import numpy as np\nimport pandas as pd\n\n# load the measurements and"]
+    with LocalPipeline(qwen_path, [(0, 12), (12, 28)], n_ctx=256, max_sessions=4, n_threads=THREADS) as pipe:
+        tokens = [pipe.head.tokenize(p) for p in prompts]
+        alone = [pipe.generate(t, 12, keep_logits=True, stop_at_eog=False) for t in tokens]
+        together = pipe.generate_many([Request(t, 12, True, False, None) for t in tokens])
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
