@@ -249,7 +249,8 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
                     status = ("route " + " ".join(report["route"]) + (" (mixed classes)" if report.get("mixed") else "")
                               if report["route"] else f"no route: {report['error']}")
                     status += "".join(f"\n  kept out {name}: {why}" for name, why in report["kept_out"].items())
-                    status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
+                    if report["route"]:   # without a route the reason already names them
+                        status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
                     if status != last:
                         click.echo(status, err=True)
                         last = status

@@ -324,8 +324,11 @@ class Coordinator:
                 chosen = choose_route(offers, allow_mixed=self.allow_mixed)
                 result = {"route": [f"{o.label}@{o.worker}" for o in chosen.stages], "mixed": chosen.mixed,
                           "kept_out": chosen.kept_out}
-            except MeshnetError as e:
-                result = {"route": None, "error": e.message, "kept_out": {}}
+            except MeshnetError:
+                try:
+                    self._route()
+                except MeshnetError as e:   # the same words a session would get
+                    result = {"route": None, "error": e.message, "kept_out": {}}
             result["standby"] = {w.name: w.label + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
                                  for w in self.workers.values() if w.offer is None}
             result["plan_note"] = self.plan_note
@@ -702,7 +705,7 @@ class Coordinator:
         except MeshnetError as e:
             waiting = [w for w in self.workers.values() if w.offer is None]
             if waiting:
-                e = MeshnetError(e.code, f"{e.message}. {len(waiting)} worker(s) with --layers auto: "
+                e = MeshnetError(e.code, f"{e.message}; {len(waiting)} worker(s) started with --layers auto: "
                                  + ", ".join(f"{w.name} {w.label}" + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
                                              for w in waiting)
                                  + (f"; {self.plan_note}" if self.plan_note else ""))

@@ -180,7 +180,7 @@ def plan(cost: ModelCost, nodes: list[Node], overhead: int = OVERHEAD, start: in
         error = MeshnetError(
             E.MODEL_DOES_NOT_FIT,
             f"layers {at}..{end - 1} fit on no node: {shortfall} bytes ({format_size(shortfall)}) short. The nodes "
-            f"hold {held}; node {last.name} would need {format_size(need)} for layers {from_layer}..{end - 1} and "
+            f"would take {held}; node {last.name} would need {format_size(need)} for layers {from_layer}..{end - 1} and "
             f"admits {format_size(last.mem)}. Give a node more memory, add a node, or lower --ctx/--sessions",
             shortfall_bytes=shortfall)
         raise error
