@@ -90,8 +90,10 @@ class FakeCoordinator:
         return self.next_reply(timeout)
 
     def next_reply(self, timeout=10):
+        """The next answer within TIMEOUT s; the worker's heartbeats do not extend it."""
+        deadline = time.monotonic() + timeout
         while True:
-            msg = P.decode(self.recv(timeout), 1 << 30)  # every answer must be protocol-valid
+            msg = P.decode(self.recv(max(0.0, deadline - time.monotonic())), 1 << 30)  # every answer must be protocol-valid
             if msg.type == P.HEARTBEAT:
                 self.send(P.encode(P.HEARTBEAT, 0))
                 continue

@@ -141,7 +141,9 @@ def test_a_flood_of_tokenize_requests_is_bounded_and_health_still_answers(smollm
         fake.wait_ready()
         rss_before = rss_kib(worker.pid)
         text = "the quick brown fox jumps over the lazy dog " * 1300  # ~58 KB
-        n_sent = 1000
+        # fewer than the worker's send high-water mark (1000): a reply past it would be
+        # dropped while we are slow to read, and then the wait below could not end
+        n_sent = 600
         for i in range(n_sent):
             fake.send(P.encode(P.TOKENIZE, 10_000 + i, text=text))
         fake.send(P.encode(P.HEALTH, 99))
@@ -150,6 +152,7 @@ def test_a_flood_of_tokenize_requests_is_bounded_and_health_still_answers(smollm
         # the health reply may come after the last tokenize reply: the flood's refusals
         # leave before it, and the few admitted tokenize requests may all finish first
         while len(replies) < n_sent or health_after is None:
+            assert time.monotonic() - t0 < 60, (len(replies), health_after)
             msg = fake.next_reply(timeout=60)
             if msg.rid == 99:
                 health_after = time.monotonic() - t0
