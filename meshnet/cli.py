@@ -177,18 +177,27 @@ class _TextStreamer:
                    "one machine, give each its own")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
 @click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
+@click.option("--secret", "secret_file", default=None,
+              help="this worker's CURVE key (NAME.key_secret from meshnet keys generate): the link to the "
+                   "coordinator is encrypted and authenticated (needs --coordinator-key)")
+@click.option("--coordinator-key", "coordinator_key_file", default=None, help="the coordinator's public key file (NAME.key)")
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness):
+           heartbeat_liveness, secret_file, coordinator_key_file):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
+    from . import security
     from .worker import StageWorker, WorkerConfig
 
     if layers is None and mem is None:
         raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
+    if (secret_file is None) != (coordinator_key_file is None):
+        raise click.UsageError("--secret and --coordinator-key go together: this worker's key and the coordinator's")
     try:
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind, cpu=cpu, mem=mem)
+                              data_bind=data_bind, cpu=cpu, mem=mem,
+                              keys=security.load_secret(secret_file) if secret_file else None,
+                              coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None)
         if max_queue is not None:
             config.max_queue = max_queue
         if heartbeat_interval is not None:
@@ -217,23 +226,33 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
 @click.option("--data-bind", default=None,
               help="where the stages send tokens back, e.g. tcp://10.0.0.1:5556 (a fixed port for a firewall) "
                    "[default: the --bind address's host, a free port]")
-def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind):
+@click.option("--secret", "secret_file", default=None,
+              help="the coordinator's CURVE key (NAME.key_secret): workers must connect with a key in --allow")
+@click.option("--allow", "allow_path", default=None, help="the workers' public keys: a NAME.key file or a directory of them")
+def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
+                allow_path):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
     import time
 
+    from . import security
     from .coordinator import Coordinator
     from .engine import utf8_or_error
     from .metrics import MetricsServer
 
     if allow_mixed and reference is None:
         raise click.UsageError("--allow-mixed needs --reference MODEL: a mixed route's output is compared with it")
+    if (secret_file is None) != (allow_path is None):
+        raise click.UsageError("--secret and --allow go together: the coordinator's key and the workers' keys")
     try:
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")
         reference_path = str(models.resolve(reference)[0]) if reference else None
-        coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path, data_bind=data_bind)
+        keys = security.load_secret(secret_file) if secret_file else None
+        allowed = security.load_allowed(allow_path) if allow_path else None
+        coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path, data_bind=data_bind,
+                            keys=keys, allowed_workers=allowed)
     except MeshnetError as e:
         _fail(e)
     with coord:
@@ -280,6 +299,25 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
                 drift = session.metrics["drift"]
                 click.echo(f"mixed route: top-1 agreement {drift['top1_agreement']:.3f}, max |logit diff| "
                            f"{drift['max_abs_logit_diff']:.4g} over {len(drift['steps'])} steps", err=True)
+
+
+@main.group()
+def keys():
+    """CURVE keys for encrypted, authenticated links between coordinator and workers."""
+
+
+@keys.command("generate")
+@click.argument("directory")
+@click.option("--name", required=True, help="the key's name: writes NAME.key (public) and NAME.key_secret")
+def keys_generate(directory, name):
+    """Write a key pair into DIRECTORY (give NAME.key to the peers, keep NAME.key_secret)."""
+    from . import security
+
+    try:
+        public, secret = security.generate(directory, name)
+    except MeshnetError as e:
+        _fail(e)
+    click.echo(f"public key {public} (hand it to the peers); secret key {secret} (keep it here)")
 
 
 @main.command()

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from . import errors as E
@@ -43,10 +44,14 @@ from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, 
 from .metrics import percentiles
 from .drift import DriftMeter
 from .layers import LayerRange
+from . import security
 from .planner import OVERHEAD, ModelCost, Node, Settings, plan
+from .security import Gatekeeper, KeyPair
 from .tracker import StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability
 
 log = logging.getLogger("meshnet.coordinator")
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 PREFILL_CHUNK = 64             # prompt tokens per forward request
 REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
@@ -210,6 +215,8 @@ class Coordinator:
         allow_mixed: bool = False,
         reference_model: str | None = None,
         overhead: int = OVERHEAD,
+        keys: KeyPair | None = None,
+        allowed_workers: set[bytes] | None = None,
     ):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
@@ -221,7 +228,12 @@ class Coordinator:
         self.overhead = overhead            # per worker process, for the planner
 
         self.ctx = zmq.Context()
+        # with keys, the control socket is a CURVE server: a worker whose public key is not
+        # allowed is refused in the handshake, before any message of it reaches this loop
+        self.gatekeeper = Gatekeeper(self.ctx, allowed_workers or set()) if keys is not None else None
         self.router = self.ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            security.serve(self.router, keys)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unroutable send raises, never vanishes
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, SOCKET_HWM)
@@ -235,6 +247,8 @@ class Coordinator:
             self.router.bind(bind)
         except zmq.ZMQError as e:
             self.router.close(linger=0)
+            if self.gatekeeper is not None:
+                self.gatekeeper.stop()
             self.ctx.term()
             if e.errno == errno.EADDRINUSE:
                 raise MeshnetError(E.ADDRESS_IN_USE, f"cannot listen on {bind}: the address is already in use "
@@ -242,6 +256,9 @@ class Coordinator:
             raise MeshnetError(E.BAD_ADDRESS, f"cannot listen on {bind!r}: {e.strerror}; an address looks like "
                                "tcp://127.0.0.1:5555") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # a peer refused in the handshake never sends us a message: the socket's monitor is
+        # where the refusal shows (no key, a wrong key, a key for another coordinator)
+        self.handshakes = self.router.get_monitor_socket(HANDSHAKE_FAILED) if keys is not None else None
         # the data plane: tokens and "chunk taken" from the stages come to this PULL,
         # bound on the control socket's host; prompt chunks go out on a PUSH per head
         self.data = self.ctx.socket(zmq.PULL)
@@ -253,6 +270,8 @@ class Coordinator:
         except zmq.ZMQError as e:
             self.data.close(linger=0)
             self.router.close(linger=0)
+            if self.gatekeeper is not None:
+                self.gatekeeper.stop()
             self.ctx.term()
             raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -294,7 +313,12 @@ class Coordinator:
             if self.drift_meter is not None:
                 self.drift_meter.close()
             self.data.close(linger=0)
+            if self.handshakes is not None:
+                self.router.disable_monitor()
+                self.handshakes.close(linger=0)
             self.router.close(linger=0)
+            if self.gatekeeper is not None:
+                self.gatekeeper.stop()
             self.ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -398,6 +422,8 @@ class Coordinator:
             } for w in workers]
             f.set_result((mine, [self._query(w, P.HEALTH, {}) for w in workers], dict(self.counters)))
         mine, futures, counters = self._submit(ask).result(timeout)
+        if self.gatekeeper is not None:
+            counters["refused_peers"] = self.gatekeeper.refusals
         stages = []
         for here, future in zip(mine, futures):
             try:
@@ -441,6 +467,8 @@ class Coordinator:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self.handshakes is not None:
+            poller.register(self.handshakes, zmq.POLLIN)
         pacer = Pacer(self.heartbeat_interval)
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
         clocks_at = 0.0
@@ -457,6 +485,8 @@ class Coordinator:
                         self._receive_data()
                         if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
+                if self.handshakes is not None and self.handshakes in events:
+                    self._on_failed_handshake()
                 if self._wake_r in events:
                     self._run_commands()
                 # heartbeats, liveness and deadlines work at heartbeat scale, not per message
@@ -517,6 +547,16 @@ class Coordinator:
             except Exception as e:
                 if not future.done():
                     future.set_exception(e)
+
+    def _on_failed_handshake(self) -> None:
+        event = recv_monitor_message(self.handshakes)
+        self.counters["refused_handshakes"] += 1
+        why = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key is not allowed (--allow)",
+               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "it does not speak CURVE with this coordinator's key "
+                                                    "(no key, or the key of another coordinator)",
+               }.get(event["event"], "the CURVE handshake failed")
+        if self.counters["refused_handshakes"] <= 100 or self.counters["refused_handshakes"] % 1000 == 0:
+            log.warning("coordinator: refused a peer (%s): %s", event.get("endpoint", b"?"), why)
 
     def _send(self, identity: bytes, frames: list) -> bool:
         try:

@@ -13,6 +13,7 @@ given, and nothing else (no generic tensor or graph execution).
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import socket
@@ -31,11 +32,17 @@ from .engine import Stage, engine_pin
 from .errors import MeshnetError
 from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Liveness, Pacer
 from .metrics import rss_bytes
+from . import security
 from .planner import ModelCost, Settings, format_size, stage_need
+from .security import KeyPair
 from .stage_loop import Job, StageLoop
+
+log = logging.getLogger("meshnet.worker")
 
 MAX_QUEUE = 16            # steps waiting on the stage before "busy"
 MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect scheduled: libzmq gave up
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
@@ -59,6 +66,8 @@ class WorkerConfig:
     data_bind: str = "tcp://127.0.0.1:0"   # the data endpoint: loopback unless told otherwise
     cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
     mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
+    keys: KeyPair | None = None            # this worker's CURVE keys: the control link is encrypted and authenticated
+    coordinator_key: bytes | None = None   # ... to the coordinator holding this public key
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
 
@@ -123,6 +132,7 @@ class StageWorker:
         self.loop: StageLoop | None = None
         self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
         self.worker_id = uuid.uuid4().hex
+        self.handshake_failures = 0
         if config.layers is not None:
             self._serve(Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                               n_batch=config.n_batch, n_threads=config.n_threads))
@@ -218,6 +228,8 @@ class StageWorker:
         # a hard cap far above any valid frame: zmq drops such a peer before we allocate
         # (between the two the peer gets an `oversized` error)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * (self.max_payload + P.MAX_HEADER_BYTES))
+        if self.config.keys is not None:
+            security.client(sock, self.config.keys, self.config.coordinator_key)
         try:
             sock.connect(self.config.coordinator)
         except zmq.ZMQError as e:
@@ -225,13 +237,23 @@ class StageWorker:
             raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
                                "an address looks like tcp://127.0.0.1:5555") from None
         self.dealer = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                               | HANDSHAKE_FAILED)
         self.disconnected_at: float | None = None
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
         self._send(P.encode(P.READY, 0, capability=self.capability))
 
     def _on_link_event(self) -> None:
         event = recv_monitor_message(self.monitor)["event"]
+        if event & HANDSHAKE_FAILED:
+            self.handshake_failures += 1
+            if self.handshake_failures in (1, 10, 100) or self.handshake_failures % 1000 == 0:
+                log.warning("worker: the coordinator at %s refused the handshake (%d times): %s", self.config.coordinator,
+                            self.handshake_failures,
+                            "this worker's key is not on its --allow list" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                            else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
+                                 "and this worker has none")
+            return
         # libzmq announces a reconnect (CONNECT_RETRIED) right after an ordinary disconnect
         self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
 
