@@ -40,6 +40,20 @@ def _usage_error(parse):
     return callback
 
 
+def _refuse_open_without_keys(option: str, endpoint: str, secret_file, insecure: bool) -> None:
+    """Beyond loopback, a socket without CURVE keys lets anyone in: only on request."""
+    from .security import is_loopback
+
+    if secret_file is not None or not endpoint.startswith("tcp://") or is_loopback(endpoint):
+        return   # (an address that is not tcp:// at all is refused when it is bound, as bad_address)
+    if not insecure:
+        raise click.UsageError(f"{option} {endpoint} is reachable beyond this machine and no keys are given: anyone "
+                               "could connect. Give --secret (see meshnet keys generate), or --insecure on a network "
+                               "you trust")
+    click.echo(f"WARNING: {option} {endpoint} without keys (--insecure): anyone who can reach it can connect, "
+               "unauthenticated and unencrypted", err=True)
+
+
 def _size(text: str) -> int:
     from .planner import parse_size
     return parse_size(text)
@@ -181,8 +195,10 @@ class _TextStreamer:
               help="this worker's CURVE key (NAME.key_secret from meshnet keys generate): the link to the "
                    "coordinator is encrypted and authenticated (needs --coordinator-key)")
 @click.option("--coordinator-key", "coordinator_key_file", default=None, help="the coordinator's public key file (NAME.key)")
+@click.option("--insecure", is_flag=True, help="serve a non-loopback --data-bind without keys: anyone who can reach it "
+                                                 "may send this stage activations")
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from . import security
     from .worker import StageWorker, WorkerConfig
@@ -191,6 +207,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
     if (secret_file is None) != (coordinator_key_file is None):
         raise click.UsageError("--secret and --coordinator-key go together: this worker's key and the coordinator's")
+    _refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
     try:
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
@@ -229,8 +246,10 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
 @click.option("--secret", "secret_file", default=None,
               help="the coordinator's CURVE key (NAME.key_secret): workers must connect with a key in --allow")
 @click.option("--allow", "allow_path", default=None, help="the workers' public keys: a NAME.key file or a directory of them")
+@click.option("--insecure", is_flag=True, help="serve a non-loopback --bind without keys: anyone who can reach it may "
+                                                 "register as a worker")
 def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
-                allow_path):
+                allow_path, insecure):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
@@ -245,6 +264,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         raise click.UsageError("--allow-mixed needs --reference MODEL: a mixed route's output is compared with it")
     if (secret_file is None) != (allow_path is None):
         raise click.UsageError("--secret and --allow go together: the coordinator's key and the workers' keys")
+    _refuse_open_without_keys("--bind", bind, secret_file, insecure)
     try:
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")

@@ -71,6 +71,7 @@ class WorkerRecord:
     offer: StageOffer | None     # None: started with --layers auto, holds nothing yet
     liveness: Liveness
     assigning: LayerRange | None = None   # the range it was told to load and has not yet offered
+    public_key: str | None = None         # its CURVE key, as the handshake proved it (None without CURVE)
     assign_failed: str | None = None      # why loading its range failed: it is not planned for again
     sessions: set[int] = field(default_factory=set)
     # measured here: hop = round trip minus the worker's own time (its two timestamps)
@@ -262,6 +263,9 @@ class Coordinator:
         # the data plane: tokens and "chunk taken" from the stages come to this PULL,
         # bound on the control socket's host; prompt chunks go out on a PUSH per head
         self.data = self.ctx.socket(zmq.PULL)
+        self.keys = keys
+        if keys is not None:   # only the allowed workers' tails may send tokens
+            security.serve(self.data, keys)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, DATA_HWM)
         self.data.setsockopt(zmq.MAXMSGSIZE, 2 * max_payload)
@@ -533,7 +537,7 @@ class Coordinator:
             return
         if len(frames) < 2:
             return  # an identity with no message: nothing to answer
-        self._guarded("handling a message", self._on_message, frames[0].bytes, frames[1:])
+        self._guarded("handling a message", self._on_message, frames[0].bytes, frames[1:], _peer_key(frames[1]))
 
     def _run_commands(self) -> None:
         try:
@@ -569,7 +573,7 @@ class Coordinator:
                 self._lose_worker(worker, "its connection is gone")
             return False
 
-    def _on_message(self, identity: bytes, frames: list) -> None:
+    def _on_message(self, identity: bytes, frames: list, peer_key: str | None = None) -> None:
         try:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
@@ -584,7 +588,7 @@ class Coordinator:
             return
         worker = self.workers.get(identity)
         if msg.type == P.READY:
-            self._register(identity, msg)
+            self._register(identity, msg, peer_key)
             return
         if worker is None:
             if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
@@ -615,7 +619,7 @@ class Coordinator:
             return
         self._send(identity, P.error_frames(msg.rid, E.UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
 
-    def _register(self, identity: bytes, msg: P.Message) -> None:
+    def _register(self, identity: bytes, msg: P.Message, peer_key: str | None = None) -> None:
         capability = msg["capability"]  # checked field by field in protocol.decode
         current = self.workers.get(identity)
         if current is not None and current.capability == capability:
@@ -633,7 +637,8 @@ class Coordinator:
         order = next(self._registration_order)
         offer = offer_from_capability(name, capability, order) if "layers" in capability else None
         self.workers[identity] = WorkerRecord(identity, name, capability, offer,
-                                              Liveness(self.heartbeat_interval, self.heartbeat_liveness))
+                                              Liveness(self.heartbeat_interval, self.heartbeat_liveness),
+                                              public_key=peer_key)
         self.counters["registrations"] += 1
         self._guarded("planning for the standby workers", self._plan_standby)
 
@@ -831,7 +836,9 @@ class Coordinator:
                           reply=self.data_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens,
                           stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and want_logits else None,
                           hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"],
-                          gather=True if i == 0 and gather else None)
+                          gather=True if i == 0 and gather else None,
+                          # with CURVE each stage learns the keys of its two neighbours in the ring
+                          next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key)
 
     def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
         """Carry out what the session's generation asks for."""
@@ -840,7 +847,7 @@ class Coordinator:
                 head = session.route[0]
                 frames = P.encode(P.ACT, 0, sid=session.sid, key=session.key, pos=action.pos, n=len(action.tokens),
                                   tokens=list(action.tokens), ack=action.prompt)
-                if not self._push(head.capability["data_endpoint"], frames):
+                if not self._push(head.capability["data_endpoint"], frames, head.public_key):
                     self._fail(session, MeshnetError(E.HOP_UNREACHABLE, f"cannot pass the prompt to stage "
                                                      f"{head.offer.label} (worker {head.name})", stage=head.offer.label,
                                                      session=session.sid), cancel=True)
@@ -851,12 +858,14 @@ class Coordinator:
             elif isinstance(action, Finish) and action.reason != "error":
                 self._finish(session, action.reason)
 
-    def _push(self, endpoint: str, frames: list) -> bool:
+    def _push(self, endpoint: str, frames: list, server_key: str | None = None) -> bool:
         sock = self.pushes.get(endpoint)
         if sock is None:
             sock = self.pushes[endpoint] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, DATA_HWM)
+            if self.keys is not None:
+                security.client(sock, self.keys, server_key.encode())
             sock.connect(endpoint)
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -1003,3 +1012,13 @@ def _gaps(covered: list[int]) -> list[tuple[int, int]]:
             gaps.append((start, i))
             start = None
     return gaps
+
+
+def _peer_key(frame) -> str | None:
+    """The CURVE public key the ZAP handshake proved for the sender of FRAME (pyzmq's
+    authenticator gives it as the User-Id), or None on a link without CURVE."""
+    try:
+        key = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return key if key and len(key) == 40 else None

@@ -118,6 +118,13 @@ def _sha256(v):
     return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
+def _curve_key(v):
+    return len(v) == 40 and all(c in _Z85 for c in v)
+
+
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
 def _short_text(v):
     return 0 < len(v) <= 256
 
@@ -143,6 +150,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "logits": (BOOL, False, None),             # the tail sends each token's logits
         "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
         "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
+        "next_key": (STR, False, _curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
+        "prev_key": (STR, False, _curve_key),      # ... and the previous stage's, which may push to this one
     },
     CANCEL: {"sid": (INT, True, _u64)},
     RELEASE: {"sid": (INT, True, _u64)},

@@ -124,6 +124,15 @@ def client(sock: zmq.Socket, keys: KeyPair, server_public: bytes) -> None:
     sock.curve_serverkey = server_public
 
 
+def is_loopback(endpoint: str) -> bool:
+    """Whether an address is reachable from this machine only (loopback, ipc, inproc)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def mechanism(sock: zmq.Socket) -> str:
     """The socket's security mechanism, as ZeroMQ reports it: 'CURVE' or 'NULL'."""
     return {zmq.NULL: "NULL", zmq.PLAIN: "PLAIN", zmq.CURVE: "CURVE"}.get(sock.getsockopt(zmq.MECHANISM), "?")

@@ -26,7 +26,9 @@ from .batching import Step, StepResult, run_batch, take_batch
 from .engine import Stage
 from .errors import MeshnetError
 from .generation import StopRule, tail_step
+from . import security
 from .metrics import percentiles
+from .security import Gatekeeper, KeyPair
 
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
 HOPS_PERIOD = 1.0         # seconds between hop percentiles in them (a sort of up to HOPS_KEPT values)
@@ -78,9 +80,20 @@ class Input:
     arrived: float = 0.0       # time.monotonic() at receipt
 
 
+@dataclass
+class DataCurve:
+    """CURVE on the data plane: this stage's keys, the coordinator's public key, and the
+    allow-list of its data endpoint (the coordinator, then each session's previous stage)."""
+
+    keys: KeyPair
+    coordinator_key: bytes
+    gatekeeper: Gatekeeper
+
+
 class StageLoop(threading.Thread):
     def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
-                 max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None):
+                 max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None,
+                 curve: DataCurve | None = None):
         super().__init__(name="meshnet-stage", daemon=True)
         self.stage = stage
         self.info = stage.info()
@@ -89,6 +102,7 @@ class StageLoop(threading.Thread):
         self.max_payload = max_payload
         self.test_fault = test_fault
         self.cpu = cpu
+        self.curve = curve
         self.jobs: collections.deque[Job | None] = collections.deque()
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.connect(control_endpoint)
@@ -96,6 +110,8 @@ class StageLoop(threading.Thread):
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, DATA_HWM)
         self.data.setsockopt(zmq.MAXMSGSIZE, 2 * (max_payload + P.MAX_HEADER_BYTES))
+        if curve is not None:
+            security.serve(self.data, curve.keys)
         try:
             self.data.bind(data_bind)
         except zmq.ZMQError as e:
@@ -209,6 +225,10 @@ class StageLoop(threading.Thread):
             "dropped": dict(self.dropped),
             "errors": dict(self.errors),
             "data_endpoint": self.data_endpoint,
+            # what each data link really runs, as ZeroMQ reports it
+            "mechanisms": {"data": security.mechanism(self.data),
+                           "pushes": {endpoint: security.mechanism(sock) for endpoint, sock in self.pushes.items()}},
+            "refused_peers": self.curve.gatekeeper.refusals if self.curve else 0,
         }
         self._stats_at = now
 
@@ -227,13 +247,19 @@ class StageLoop(threading.Thread):
         if (m["stage"] == 0) != self.info.is_head:
             raise MeshnetError(E.BAD_FIELD, f"open: stage {m['stage']} is not this stage's place: it "
                                + ("is the head (stage 0)" if self.info.is_head else "comes after the head"))
+        if self.curve is not None:
+            if m.get("next_key") is None or m.get("prev_key") is None:
+                raise MeshnetError(E.BAD_FIELD, "open: a stage serving CURVE needs the keys of its neighbours "
+                                   "(next_key, prev_key)")
+            self.curve.gatekeeper.allow(m["prev_key"].encode())
         self.stage.open_session(job.sid)
         self.sessions[job.sid] = StageSession(
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
             gather=m.get("gather", False))
-        for endpoint in (m["next"], m["reply"]):
-            self._push(endpoint)   # connect now: the first step finds the link made
+        # connect now: the first step finds the link made
+        self._push(m["next"], m.get("next_key", "").encode())
+        self._push(m["reply"], self.curve.coordinator_key if self.curve else b"")
         with self.lock:
             self.cancelled.discard(job.sid)  # a new session under this id starts clean
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
@@ -427,12 +453,16 @@ class StageLoop(threading.Thread):
                 logits_n=None if logits is None else len(logits), seams=session.seams or None))
             session.seams = []
 
-    def _push(self, endpoint: str) -> zmq.Socket:
+    def _push(self, endpoint: str, server_key: bytes = b"") -> zmq.Socket:
+        """The PUSH to ENDPOINT, made at a session's open (with the CURVE key of the
+        stage or coordinator behind it) and kept for the sessions after it."""
         sock = self.pushes.get(endpoint)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, DATA_HWM)
+            if self.curve is not None:
+                security.client(sock, self.curve.keys, server_key)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as e:

@@ -34,8 +34,8 @@ from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX
 from .metrics import rss_bytes
 from . import security
 from .planner import ModelCost, Settings, format_size, stage_need
-from .security import KeyPair
-from .stage_loop import Job, StageLoop
+from .security import Gatekeeper, KeyPair
+from .stage_loop import DataCurve, Job, StageLoop
 
 log = logging.getLogger("meshnet.worker")
 
@@ -133,6 +133,7 @@ class StageWorker:
         self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
         self.worker_id = uuid.uuid4().hex
         self.handshake_failures = 0
+        self.gatekeeper: Gatekeeper | None = None
         if config.layers is not None:
             self._serve(Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                               n_batch=config.n_batch, n_threads=config.n_threads))
@@ -201,8 +202,14 @@ class StageWorker:
                                layers=[info.layer_start, info.layer_end],
                                admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
         self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
+        curve = None
+        if self.config.keys is not None:
+            # the data endpoint lets in the coordinator, and each session's previous stage
+            # once the coordinator has named it at open
+            self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
+            curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
-                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu)
+                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve)
         self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
 
     # connection
@@ -238,24 +245,35 @@ class StageWorker:
                                "an address looks like tcp://127.0.0.1:5555") from None
         self.dealer = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                               | HANDSHAKE_FAILED)
+                                               | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.handshake_state = "none"
         self.disconnected_at: float | None = None
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
         self._send(P.encode(P.READY, 0, capability=self.capability))
 
     def _on_link_event(self) -> None:
         event = recv_monitor_message(self.monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            self.handshake_state = "pending"
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.handshake_state = "done"
+        elif event & HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and self.handshake_state == "pending"):
+            # a peer that drops us mid-handshake refused it too: a keyless worker learns no more
+            self.handshake_state = "refused"
+            self._handshake_refused(event)
         if event & HANDSHAKE_FAILED:
-            self.handshake_failures += 1
-            if self.handshake_failures in (1, 10, 100) or self.handshake_failures % 1000 == 0:
-                log.warning("worker: the coordinator at %s refused the handshake (%d times): %s", self.config.coordinator,
-                            self.handshake_failures,
-                            "this worker's key is not on its --allow list" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                            else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
-                                 "and this worker has none")
             return
         # libzmq announces a reconnect (CONNECT_RETRIED) right after an ordinary disconnect
         self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+
+    def _handshake_refused(self, event: int) -> None:
+        self.handshake_failures += 1
+        if self.handshake_failures in (1, 10, 100) or self.handshake_failures % 1000 == 0:
+            log.warning("worker: the coordinator at %s refused the handshake (%d times): %s", self.config.coordinator,
+                        self.handshake_failures,
+                        "this worker's key is not on its --allow list" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                        else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
+                             "and this worker has none")
 
     def _coordinator_lost(self) -> None:
         """Its sessions are over: free them and drop the replies still owed to it."""
@@ -380,6 +398,7 @@ class StageWorker:
                 state="loading" if self.loading else "waiting for a range")))
             return
         stats = dict(self.loop.stats)
+        stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.dealer))
         errors = collections.Counter(stats.pop("errors", {}))
         errors.update(self.errors)
         self._send(P.encode(P.OK, msg.rid, info=dict(
@@ -481,6 +500,8 @@ class StageWorker:
         self.monitor.close(linger=0)
         self.dealer.close(linger=100)
         self.results.close(linger=0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.stop()
         self.ctx.term()
         if self.stage is not None:
             self.stage.close()

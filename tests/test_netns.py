@@ -51,3 +51,9 @@ def test_without_root_the_script_says_why_and_exits_77_never_0():
                             timeout=60)
     assert result.returncode == CANNOT, result.stdout + result.stderr
     assert "cannot build two hosts here: network namespaces need root" in result.stderr
+
+
+def test_with_curve_on_every_link_the_route_across_namespaces_is_as_exact(smollm2_path):
+    report = run_script(SECURE="1")
+    assert report["ok"] and report["parity"] and report["isolation"], report
+    assert report["curve"] is True     # each link's mechanism, as ZeroMQ reports it

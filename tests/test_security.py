@@ -53,32 +53,39 @@ def test_keys_generate_writes_a_pair_and_never_overwrites(tmp_path):
     assert again.returncode == 5 and "never overwritten" in again.stderr
 
 
-def test_only_workers_with_an_allowed_key_for_this_coordinator_get_in(smollm2_path, keys, caplog):
+def test_only_workers_with_an_allowed_key_for_this_coordinator_get_in(smollm2_path, keys, caplog, tmp_path):
     caplog.set_level(logging.WARNING)
     own = security.load_secret(keys / "coordinator.key_secret")
     allowed = security.load_allowed(keys / "allowed")
+    logs = [tmp_path / f"intruder{i}.log" for i in range(3)]
     with Coordinator(keys=own, allowed_workers=allowed, heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
         assert security.mechanism(coordinator.router) == "CURVE"
+        files = [open(log, "wb") for log in logs]
         intruders = [
-            start_worker(smollm2_path, coordinator.endpoint, (0, 30), stderr=subprocess.PIPE),          # no key
-            keyed_worker(smollm2_path, coordinator, (0, 30), keys, "stranger", stderr=subprocess.PIPE),  # not allowed
+            start_worker(smollm2_path, coordinator.endpoint, (0, 30), stderr=files[0]),          # no key
+            keyed_worker(smollm2_path, coordinator, (0, 30), keys, "stranger", stderr=files[1]),  # not allowed
             keyed_worker(smollm2_path, coordinator, (0, 30), keys, "head", server="other-coordinator",
-                         stderr=subprocess.PIPE),                                                      # another's key
+                         stderr=files[2]),                                                      # another's key
         ]
         try:
-            assert wait_until(lambda: coordinator.metrics()["counters"].get("refused_handshakes", 0) >= 3, 30)
-            time.sleep(1.0)
+            # each of them has tried, and been told no
+            assert wait_until(lambda: all(b"refused the handshake" in log.read_bytes() for log in logs), 30), \
+                [log.read_bytes()[-300:] for log in logs]
+            time.sleep(0.5)
             assert coordinator.workers_snapshot() == []     # none of them got a message through
             counters = coordinator.metrics()["counters"]
+            assert counters["refused_handshakes"] >= 3
             assert counters["refused_peers"] >= 1           # the stranger's key, refused by the allow-list
             assert counters.get("registrations", 0) == 0
         finally:
-            stderr = stop(intruders)
+            stop(intruders)
+            for f in files:
+                f.close()
         log = caplog.text
         assert "is not allowed" in log and "refused a peer" in log
         stranger_public = security.load_public(keys / "stranger.key").decode()
         assert stranger_public in log
-        assert b"refused the handshake" in stderr[0] and b"refused the handshake" in stderr[1]
+        assert b"wants one and this worker has none" in logs[0].read_bytes()
 
         good = [keyed_worker(smollm2_path, coordinator, (0, 19), keys, "head"),
                 keyed_worker(smollm2_path, coordinator, (19, 30), keys, "tail")]
@@ -112,3 +119,77 @@ def test_bad_key_files_are_refused_with_bad_key(tmp_path):
     with pytest.raises(security.MeshnetError) as err:
         security.load_secret(tmp_path / "pub.key")     # a public key where a secret one is needed
     assert err.value.code == "bad_key" and "no secret key" in err.value.message
+
+
+def test_every_link_of_a_keyed_route_is_curve_and_a_stranger_cannot_push_into_a_stage(smollm2_path, keys):
+    own = security.load_secret(keys / "coordinator.key_secret")
+    with Coordinator(keys=own, allowed_workers=security.load_allowed(keys / "allowed"),
+                     heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+        workers = [keyed_worker(smollm2_path, coordinator, (0, 19), keys, "head"),
+                   keyed_worker(smollm2_path, coordinator, (19, 30), keys, "tail")]
+        try:
+            coordinator.wait_for_route(60, n_stages=2)
+            sessions = [coordinator.generate(PROMPT_TOKENS, 16, stop_at_eog=False) for _ in range(2)]
+            got = [s.result(60).tokens for s in sessions]
+            # while a session runs (a stage keeps a push only while a session uses it)
+            running = coordinator.generate(PROMPT_TOKENS, 240, stop_at_eog=False)
+            for i, _ in enumerate(running):
+                if i == 4:
+                    break
+            # the coordinator's own links: control, the tokens' PULL, the prompt's PUSH to the head
+            assert security.mechanism(coordinator.router) == "CURVE"
+            assert security.mechanism(coordinator.data) == "CURVE"
+            assert {security.mechanism(s) for s in coordinator.pushes.values()} == {"CURVE"}
+            # each stage's: control, its data endpoint, its pushes to the next stage and to the coordinator
+            assert wait_until(lambda: all(len(s["mechanisms"]["pushes"]) == 2 for s in coordinator.stage_stats()), 5)
+            stats = coordinator.stage_stats()
+            for s in stats:
+                m = s["mechanisms"]
+                assert m["control"] == m["data"] == "CURVE", m
+                assert set(m["pushes"].values()) == {"CURVE"}, m
+            running.cancel()
+            assert wait_until(lambda: all(s["n_sessions"] == 0 for s in coordinator.stage_stats()), 10)
+            time.sleep(0.3)
+            head = next(s for s in coordinator.stage_stats() if s["layers"] == [0, 19])
+            ctx = zmq.Context()
+            try:
+                for stranger in (None, security.load_secret(keys / "stranger.key_secret")):
+                    push = ctx.socket(zmq.PUSH)
+                    push.setsockopt(zmq.LINGER, 0)
+                    if stranger is not None:
+                        security.client(push, stranger, security.load_public(keys / "head.key"))
+                    push.connect(head["data_endpoint"])
+                    from meshnet import protocol as P
+                    push.send_multipart(P.encode(P.ACT, 0, sid=1, key=1, pos=0, n=1, tokens=[1]), flags=zmq.NOBLOCK) \
+                        if push.poll(500, zmq.POLLOUT) else None
+                time.sleep(1.0)
+            finally:
+                ctx.destroy(linger=0)
+            after = next(s for s in coordinator.stage_stats() if s["layers"] == [0, 19])
+            assert after["dropped"] == head["dropped"]      # nothing of theirs reached the stage
+            assert after["refused_peers"] >= 1              # the stranger's key, refused in the handshake
+            assert coordinator.generate(PROMPT_TOKENS, 16, stop_at_eog=False).result(60).tokens == got[0]
+        finally:
+            stop(workers)
+    with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=256, max_sessions=1, n_threads=THREADS) as whole:
+        assert got == [whole.generate(PROMPT_TOKENS, 16, stop_at_eog=False).tokens] * 2
+
+
+def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure_is_said():
+    def meshnet(*args):
+        return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=60)
+
+    refused = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0")
+    assert refused.returncode == 2 and "reachable beyond this machine and no keys" in refused.stderr
+    told = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0", "--insecure", "--prompt", "hi", "--wait", "0.2")
+    assert "WARNING: --bind tcp://0.0.0.0:0 without keys" in told.stderr
+    assert told.returncode == 4 and "route_incomplete" in told.stderr     # it served; no worker came
+    worker = meshnet("worker", "--coordinator", "tcp://127.0.0.1:9", "--layers", "0:30", "--data-bind", "tcp://0.0.0.0:0")
+    assert worker.returncode == 2 and "--data-bind tcp://0.0.0.0:0 is reachable beyond this machine" in worker.stderr
+
+
+def test_loopback_is_told_apart_from_the_network():
+    assert all(security.is_loopback(e) for e in ("tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:5",
+                                                 "ipc:///tmp/x", "inproc://x", "tcp://127.8.9.10:0"))
+    assert not any(security.is_loopback(e) for e in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.0.0.1:1",
+                                                     "tcp://[::]:5", "tcp://example.org:5"))

@@ -21,8 +21,10 @@ RUN_ID = re.compile(r"meshnet-two-host-\d{8}-\d{6}-\d+")
 def two_host(*args, **env):
     environment = {k: v for k, v in os.environ.items()
                    if k not in ("HOST_A", "HOST_B", "ADDR_A", "ADDR_B", "MESHNET", "MESHNET_B", "MODEL", "LAYERS",
-                                "PORT", "DATA_PORT", "THREADS", "PROMPT", "MAX_TOKENS", "WAIT", "REMOTE_DIR", "SSH")}
-    return subprocess.run([str(SCRIPT), *args], env={**environment, "PYTHON": sys.executable, **env},
+                                "PORT", "DATA_PORT", "THREADS", "PROMPT", "MAX_TOKENS", "WAIT", "REMOTE_DIR", "SSH",
+                                "INSECURE")}
+    # keyless runs on a trusted network: the script says so only when told (see the test below)
+    return subprocess.run([str(SCRIPT), *args], env={**environment, "PYTHON": sys.executable, "INSECURE": "1", **env},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -48,7 +50,7 @@ def test_dry_run_prints_every_command_checks_first_then_workers_coordinator_repo
             'rm -f "$f"; done; true')
     report = 'ps -o pid=,rss=,time= -p "$(cat /tmp/RUN-worker-{0}.pid)" 2>/dev/null; tail -n 20 /tmp/RUN-worker-{0}.log 2>/dev/null; true'
     worker = ("nohup /opt/mn/bin/meshnet worker --coordinator tcp://10.0.0.1:6000 --model smollm2 --layers {} "
-              "--data-bind tcp://{}:6001 --threads 2 > /tmp/RUN-worker-{}.log 2>&1 < /dev/null & echo $! > /tmp/RUN-worker-{}.pid")
+              "--data-bind tcp://{}:6001 --threads 2 --insecure > /tmp/RUN-worker-{}.log 2>&1 < /dev/null & echo $! > /tmp/RUN-worker-{}.pid")
     expected = [
         ("alice@10.0.0.1", "/opt/mn/bin/meshnet --version"),
         ("alice@10.0.0.1", model_test),
@@ -57,7 +59,7 @@ def test_dry_run_prints_every_command_checks_first_then_workers_coordinator_repo
         ("bob@10.0.0.2", worker.format(second, "10.0.0.2", "b", "b")),
         ("alice@10.0.0.1", worker.format(first, "10.0.0.1", "a", "a")),
         ("alice@10.0.0.1", "echo $$ > /tmp/RUN-coordinator.pid; exec /opt/mn/bin/meshnet coordinator --bind "
-                           "tcp://10.0.0.1:6000 --prompt 'It'\\''s a test' --max-tokens 8 --wait 120 --json"),
+                           "tcp://10.0.0.1:6000 --prompt 'It'\\''s a test' --max-tokens 8 --wait 120 --json --insecure"),
         ("alice@10.0.0.1", report.format("a")),
         ("bob@10.0.0.2", report.format("b")),
         ("alice@10.0.0.1", stop.format("/tmp/RUN-coordinator.pid /tmp/RUN-worker-a.pid")),
@@ -99,6 +101,14 @@ def test_missing_or_bad_flags_are_refused_before_anything_runs():
         result = two_host("--dry-run", *args)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and result.stdout == "", (args, result.stderr)
+
+
+def test_without_keys_it_runs_only_when_told_the_network_is_trusted():
+    refused = two_host("--host-a", "a@h", "--host-b", "b@h", "--dry-run", INSECURE="0")
+    assert refused.returncode == 2 and "--insecure" in refused.stderr and refused.stdout == ""
+    told = two_host("--host-a", "a@h", "--host-b", "b@h", "--dry-run", "--insecure", INSECURE="0")
+    assert told.returncode == 0 and all("--insecure" in line for line in told.stdout.splitlines()
+                                        if " worker " in line or " coordinator " in line)
 
 
 def test_the_layers_must_cover_the_model_it_has_here(smollm2_path):

@@ -12,6 +12,8 @@
 #               kernels this runs on may have no netem, and where one has it the wire
 #               is still used, so that the path measured is the one tested. Unset: a
 #               plain veth pair.
+#   SECURE=1    CURVE on every link, with fresh keys (meshnet keys generate); the checker
+#               asserts each link's mechanism. Unset: the workers run with --insecure.
 #   PORT        the coordinator's port (default 5555: the namespaces are private).
 #   PYTHON      the interpreter with meshnet (default: the active or the project's venv).
 # Exit status: 0 every check held, 1 one did not (or a process failed), 2 a bad DELAY,
@@ -151,12 +153,27 @@ echo "netns: $ns_a runs the coordinator ($coordinator) and layers $first; $ns_b 
 cpu_a=() cpu_b=()
 if [ -n "$cpus" ]; then cpu_a=(--cpu "${cpus% *}") cpu_b=(--cpu "${cpus#* }"); fi
 worker=("$py" -m meshnet.cli worker --coordinator "$coordinator" --model "$model_path" --threads 1 --ctx 1024)
-start "worker $first" "$ns_a" "${worker[@]}" --layers "$first" --data-bind "tcp://$addr_a:0" "${cpu_a[@]}"
-start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tcp://$addr_b:0" "${cpu_b[@]}"
+check_keys=()
+if [ -n "${SECURE:-}" ]; then
+    # fresh keys for this run: the coordinator's, one per worker, the workers' public keys allowed
+    keys=$logs/keys
+    for name in coordinator worker-a worker-b; do
+        "$py" -m meshnet.cli keys generate "$keys" --name "$name" >/dev/null
+    done
+    mkdir -p "$keys/allowed" && cp "$keys/worker-a.key" "$keys/worker-b.key" "$keys/allowed/"
+    secure_a=(--secret "$keys/worker-a.key_secret" --coordinator-key "$keys/coordinator.key")
+    secure_b=(--secret "$keys/worker-b.key_secret" --coordinator-key "$keys/coordinator.key")
+    check_keys=(--keys "$keys")
+    echo "netns: CURVE on every link (fresh keys in $keys)"
+else
+    secure_a=(--insecure) secure_b=(--insecure)   # a private pair of namespaces: nobody else can reach them
+fi
+start "worker $first" "$ns_a" "${worker[@]}" --layers "$first" --data-bind "tcp://$addr_a:0" "${cpu_a[@]}" "${secure_a[@]}"
+start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tcp://$addr_b:0" "${cpu_b[@]}" "${secure_b[@]}"
 
 # the checker's output is ours; the workers reconnect until its coordinator listens
 ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" --model "$model_path" \
-    --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" &
+    --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" "${check_keys[@]}" &
 checker=$!
 pids+=("$checker")
 while kill -0 "$checker" 2>/dev/null; do

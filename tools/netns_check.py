@@ -87,6 +87,17 @@ def max_logit_diff(got: list[np.ndarray], expected: list[np.ndarray]) -> float:
     return max((float(np.abs(a - b).max()) for a, b in zip(got, expected)), default=0.0)
 
 
+def _curve_everywhere(coordinator) -> bool:
+    """Every link of the route runs CURVE, as ZeroMQ reports it: the coordinator's own
+    sockets, and each stage's control and data endpoint (its pushes exist only while a
+    session runs: the parity runs check those through the stages' health)."""
+    from meshnet.security import mechanism
+
+    mine = {mechanism(coordinator.router), mechanism(coordinator.data)}
+    theirs = {m for s in coordinator.stage_stats() for m in (s["mechanisms"]["control"], s["mechanisms"]["data"])}
+    return mine | theirs == {"CURVE"}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bind", required=True, help="the coordinator's address, e.g. tcp://10.77.0.1:5555")
@@ -97,6 +108,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--peer", required=True, help="the other namespace's address, pinged")
     parser.add_argument("--delay-us", type=int, default=0, help="the wire's one-way delay")
+    parser.add_argument("--keys", default=None, help="a directory from `meshnet keys generate`: coordinator.key_secret "
+                                                     "and the workers' public keys under allowed/ (CURVE on every link)")
     parser.add_argument("--wait", type=float, default=60, help="seconds to wait for the route")
     args = parser.parse_args(argv)
 
@@ -116,8 +129,18 @@ def check(args, report: dict) -> bool:
     path, _ = models.resolve(args.model)
     n_layer = read_layout(path).n_layer
     ranges = [LayerRange.parse(r, n_layer) for r in args.layers.split(",")]
-    with Coordinator(args.bind) as coordinator:
+    keys = allowed = None
+    if args.keys:
+        from meshnet import security
+        keys = security.load_secret(f"{args.keys}/coordinator.key_secret")
+        allowed = security.load_allowed(f"{args.keys}/allowed")
+    with Coordinator(args.bind, keys=keys, allowed_workers=allowed) as coordinator:
         route = coordinator.wait_for_route(args.wait, n_stages=len(ranges))
+        report["curve"] = _curve_everywhere(coordinator) if keys is not None else False
+        if keys is not None:
+            say(f"curve     every link of the route runs CURVE: {report['curve']}")
+            if not report["curve"]:
+                return False
         labels = [o.label for o in route]
         report["route"] = labels
         say(f"route     {' '.join(f'{o.label}@{o.worker}' for o in route)} (coordinator {coordinator.endpoint})")
