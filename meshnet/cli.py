@@ -86,7 +86,8 @@ def _nodes(ctx, param, values):
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens")
 @click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
-def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as_json):
+@click.option("--secure", is_flag=True, help="CURVE on every link between the coordinator and its workers, with fresh keys")
+def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as_json, secure):
     """Generate greedily from PROMPT with the model split into stages (worker processes on this machine)."""
     from .gguf_layout import read_layout
     from .engine import utf8_or_error
@@ -104,12 +105,17 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
             else layout.balanced_ranges(stages or 2)
         )
         stream = None if as_json else _TextStreamer(prompt)
-        runner = _run_in_process if in_process else _run_on_workers
-        tokens, text, metrics, stop_reason = runner(path, ranges, prompt, max_tokens, threads, n_ctx, stream)
+        if in_process and secure:
+            raise click.UsageError("--secure is for worker processes; --in-process has no links to secure")
+        if in_process:
+            tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream)
+        else:
+            tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
+                                                                 secure)
     except MeshnetError as e:
         _fail(e)
 
-    metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process)
+    metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process, curve=secure)
     if as_json:
         click.echo(json.dumps({"tokens": tokens, "text": text, "metrics": metrics}))
         return
@@ -118,7 +124,7 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
     hops = f", hop p50 {metrics['hop_us_p50']:.0f} us" if "hop_us_p50" in metrics else ""
     click.echo(
         f"[{len(ranges)} stages {' '.join(r.label for r in ranges)}"
-        f"{' in-process' if in_process else ' as worker processes'}] "
+        f"{' in-process' if in_process else ' as worker processes'}{', CURVE on every link' if secure else ''}] "
         f"prompt {metrics['prompt_tokens']} tok, ttft {metrics['ttft_ms']:.0f} ms, "
         f"prefill {metrics['prefill_tok_s']:.1f} tok/s, decode {decode} tok/s{hops}, "
         f"{metrics['generated_tokens']} tokens ({stop_reason})",
@@ -142,10 +148,10 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
         return gen.tokens, pipe.tail.detokenize(gen.tokens), gen.metrics, gen.stop_reason
 
 
-def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
+def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False):
     from .cluster import LocalCluster
 
-    with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
+    with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure) as cluster:
         coordinator = cluster.coordinator
         prompt_tokens = coordinator.tokenize(prompt)
         _check_context(len(prompt_tokens), max_tokens, n_ctx)

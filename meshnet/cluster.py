@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -117,6 +118,7 @@ class LocalCluster:
         heartbeat_liveness: int | None = None,
         worker_log: str | None = None,
         pin_cpus: bool = True,
+        secure: bool = False,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -128,6 +130,19 @@ class LocalCluster:
         if heartbeat_liveness is not None:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
+        # fresh CURVE keys for this run: the coordinator's, one per worker, all in a private
+        # directory that goes with the cluster
+        self.keys_dir = None
+        if secure:
+            from . import security
+
+            self.keys_dir = tempfile.TemporaryDirectory(prefix="meshnet-keys-")
+            keys = Path(self.keys_dir.name)
+            security.generate(keys, "coordinator")
+            for i in range(len(ranges)):
+                security.generate(keys / "allowed", f"worker-{i}")
+            coordinator_options["keys"] = security.load_secret(keys / "coordinator.key_secret")
+            coordinator_options["allowed_workers"] = security.load_allowed(keys / "allowed")
         # each stage's data path on its own CPU (stage i on CPU i, round the machine's CPUs)
         self.pin_cpus = pin_cpus and len(os.sched_getaffinity(0)) > 1
         self.coordinator = Coordinator(**coordinator_options)
@@ -143,10 +158,14 @@ class LocalCluster:
         for name, value in self.worker_options.items():
             if value is not None:
                 args += [f"--{name}", str(value)]
+        index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
         if self.pin_cpus:
             cpus = sorted(os.sched_getaffinity(0))
-            index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
             args += ["--cpu", str(cpus[index % len(cpus)])]
+        if self.keys_dir is not None:
+            keys = Path(self.keys_dir.name)
+            args += ["--secret", str(keys / "allowed" / f"worker-{index}.key_secret"),
+                     "--coordinator-key", str(keys / "coordinator.key")]
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_die_with_parent)
@@ -214,6 +233,8 @@ class LocalCluster:
                 process.kill()
                 process.wait()
         self.coordinator.close()
+        if self.keys_dir is not None:
+            self.keys_dir.cleanup()
 
     def __enter__(self):
         return self if self.processes else self.start()   # started already: `with cluster.start() as c`

@@ -193,3 +193,34 @@ def test_loopback_is_told_apart_from_the_network():
                                                  "ipc:///tmp/x", "inproc://x", "tcp://127.8.9.10:0"))
     assert not any(security.is_loopback(e) for e in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.0.0.1:1",
                                                      "tcp://[::]:5", "tcp://example.org:5"))
+
+
+def test_run_secure_uses_fresh_keys_on_loopback_and_gives_the_same_tokens():
+    def run(*extra):
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "8", "--json",
+                                 "--threads", str(THREADS), *extra], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        import json
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    secure, plain = run("--secure"), run()
+    assert secure["tokens"] == plain["tokens"] and len(secure["tokens"]) == 8
+    assert secure["metrics"]["curve"] is True and plain["metrics"]["curve"] is False
+
+
+def test_a_local_cluster_with_secure_runs_curve_on_every_link_and_leaves_no_keys_behind(smollm2_path):
+    from meshnet.cluster import LocalCluster
+
+    with LocalCluster(smollm2_path, [(0, 19), (19, 30)], threads=THREADS, n_ctx=256, secure=True) as cluster:
+        keys_dir = cluster.keys_dir.name
+        running = cluster.coordinator.generate(PROMPT_TOKENS, 200, stop_at_eog=False)
+        for i, _ in enumerate(running):
+            if i == 3:
+                break
+        assert wait_until(lambda: all(len(s["mechanisms"]["pushes"]) == 2 for s in cluster.coordinator.stage_stats()), 5)
+        for s in cluster.coordinator.stage_stats():
+            m = s["mechanisms"]
+            assert {m["control"], m["data"], *m["pushes"].values()} == {"CURVE"}, m
+        running.cancel()
+    import os
+    assert not os.path.exists(keys_dir)
