@@ -50,7 +50,7 @@ from meshnet.engine import Entry, Stage
 from meshnet.pipeline import LocalPipeline
 
 from conftest import THREADS
-from peers import KEY, bind_loopback
+from peers import KEY, bind_loopback, rss_kib
 
 SEED = int(os.environ.get("MESHNET_FUZZ_SEED", "16"))
 FRAMES = int(os.environ.get("MESHNET_FUZZ_FRAMES", "10000"))   # per program under test, both planes together
@@ -874,6 +874,9 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
             header["logits"] = rng.random() < 0.5
         if rng.random() < 0.3:
             header["hop_clock"] = rng.random() < 0.5
+        if rng.random() < 0.1:   # the neighbours' CURVE keys, as a keyed route gives them, to a keyless stage
+            header["next_key"] = rng.choice(["0" * 40, "x" * 39, "é" * 40, ";" * 40])
+            header["prev_key"] = rng.choice(["0" * 40, ""])
         opened_with[sid] = key
         next_pos[sid] = 0
         return header, None
@@ -924,6 +927,8 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
         "tokenize": lambda rng: ({"text": rng.choice(["hello", "<|im_start|>hi", "é" * 50, ""]),
                                   "add_special": rng.random() < 0.5, "parse_special": rng.random() < 0.5}, None),
         "detokenize": lambda rng: ({"tokens": rng.choice([[1, 2, 3], [49151], [N_VOCAB], [-1], [0] * 100])}, None),
+        # a range for a worker that holds one already (only --layers auto workers take one)
+        "assign": lambda rng: ({"layers": rng.choice([[0, 15], [15, 30], [0, 1 << 19], [29, 30], [5, 4]])}, None),
         # the wrong direction: what a worker sends, sent to a worker
         "ready": lambda rng: ({"capability": {"layers": [0, 15]}}, None),
         "goodbye": lambda rng: ({}, None),
@@ -1049,6 +1054,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
         opened = open_session(NF_SID)
         assert opened is not None and opened.type == P.OK, opened
         round_failures += reference_round(0)
+        rss_before = None   # taken once a quarter of the frames went in: ZeroMQ's and malloc's buffers warm up first
         t_start = time.monotonic()
         batch_no = 0
         every = max(1, FRAMES // REFERENCE_ROUNDS)
@@ -1093,6 +1099,8 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             if sum(sent.values()) >= next_round:
                 round_failures += reference_round(next_round // every)
                 next_round += every
+            if rss_before is None and sum(sent.values()) >= FRAMES // 4:
+                rss_before = rss_kib(worker.pid)
             time.sleep(max(0.0, t_start + sum(sent.values()) / RATE - time.monotonic()))
         seconds = time.monotonic() - t_start
         replies.violations += round_failures
@@ -1114,6 +1122,11 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
                 replies.violate("leak", f"after releasing every session the fuzz opened: {health and health.fields}")
             elif sent["data"] and (sum(info["dropped"].values()) == 0 or set(info["dropped"]) - set(E.CODES)):
                 replies.violate("data plane", f"the worker's data fuzz was dropped as {info['dropped']}")
+            rss_after = rss_kib(worker.pid)
+            print(f"worker RSS {rss_before} KiB a quarter into the fuzz, {rss_after} KiB after it "
+                  f"({100 * (rss_after - rss_before) / rss_before:+.1f}%)")
+            if rss_after > rss_before * 1.05:
+                replies.violate("memory", f"the worker's RSS grew from {rss_before} to {rss_after} KiB (> 5%)")
         if worker.poll() is None and not hung:
             # last, a frame past the worker socket's own limit: ZeroMQ drops that connection
             # (a protocol error, which libzmq never reconnects by itself); the worker must
