@@ -271,6 +271,8 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
     if (secret_file is None) != (allow_path is None):
         raise click.UsageError("--secret and --allow go together: the coordinator's key and the workers' keys")
     _refuse_open_without_keys("--bind", bind, secret_file, insecure)
+    if data_bind is not None:
+        _refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
     try:
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")

@@ -78,6 +78,13 @@ def prometheus_text(snapshot: dict) -> str:
     metric("sessions_total", "counter", "sessions by outcome",
            [({"outcome": k}, v) for k, v in snapshot.get("sessions", {}).items()])
     metric("workers", "gauge", "registered workers", [({}, len(stages))])
+    counters = snapshot.get("counters", {})
+    metric("refused_handshakes_total", "counter", "peers refused in the CURVE handshake (no key, another coordinator's "
+           "key, a key not allowed)", [({}, counters.get("refused_handshakes"))])
+    metric("refused_peers_total", "counter", "peers whose CURVE key the allow-list refused",
+           [({}, counters.get("refused_peers"))])
+    metric("stage_refused_peers_total", "counter", "peers whose CURVE key a stage's data endpoint refused",
+           [({"stage": s["stage"]}, s.get("refused_peers")) for s in stages])
     return "\n".join(lines) + "\n"
 
 

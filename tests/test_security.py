@@ -224,3 +224,12 @@ def test_a_local_cluster_with_secure_runs_curve_on_every_link_and_leaves_no_keys
         running.cancel()
     import os
     assert not os.path.exists(keys_dir)
+
+
+def test_refusals_are_counted_in_the_prometheus_text():
+    from meshnet.metrics import prometheus_text
+
+    text = prometheus_text({"stages": [{"stage": "[0,19)", "worker": "w", "refused_peers": 2}],
+                            "counters": {"refused_handshakes": 3, "refused_peers": 1}})
+    assert "meshnet_refused_handshakes_total{} 3" in text and "meshnet_refused_peers_total{} 1" in text
+    assert 'meshnet_stage_refused_peers_total{stage="[0,19)"} 2' in text
