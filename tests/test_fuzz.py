@@ -1054,6 +1054,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
         opened = open_session(NF_SID)
         assert opened is not None and opened.type == P.OK, opened
         round_failures += reference_round(0)
+        rss_start = rss_kib(worker.pid)
         rss_before = None   # taken once a quarter of the frames went in: ZeroMQ's and malloc's buffers warm up first
         t_start = time.monotonic()
         batch_no = 0
@@ -1123,7 +1124,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             elif sent["data"] and (sum(info["dropped"].values()) == 0 or set(info["dropped"]) - set(E.CODES)):
                 replies.violate("data plane", f"the worker's data fuzz was dropped as {info['dropped']}")
             rss_after = rss_kib(worker.pid)
-            print(f"worker RSS {rss_before} KiB a quarter into the fuzz, {rss_after} KiB after it "
+            print(f"worker RSS {rss_start} KiB at the start, {rss_before} KiB a quarter into the fuzz, {rss_after} KiB after it "
                   f"({100 * (rss_after - rss_before) / rss_before:+.1f}%)")
             if rss_after > rss_before * 1.05:
                 replies.violate("memory", f"the worker's RSS grew from {rss_before} to {rss_after} KiB (> 5%)")
