@@ -87,6 +87,10 @@ class WorkerRecord:
         return f"loading {self.assigning.label}" if self.assigning else "standby"
 
     @property
+    def standby_state(self) -> str:
+        return self.label + (f" (failed: {self.assign_failed})" if self.assign_failed else "")
+
+    @property
     def layer_order(self) -> tuple:
         return (0, self.offer.start, self.offer.end) if self.offer else (1, 0, 0)
 
@@ -347,18 +351,13 @@ class Coordinator:
     def route_report(self) -> dict:
         """The route (or why there is none) and why each registered worker is not in it."""
         def report(f):
-            offers = [w.offer for w in self.workers.values() if w.offer is not None]
             try:
-                chosen = choose_route(offers, allow_mixed=self.allow_mixed)
+                chosen = self._choose_route()
                 result = {"route": [f"{o.label}@{o.worker}" for o in chosen.stages], "mixed": chosen.mixed,
                           "kept_out": chosen.kept_out}
-            except MeshnetError:
-                try:
-                    self._route()
-                except MeshnetError as e:   # the same words a session would get
-                    result = {"route": None, "error": e.message, "kept_out": {}}
-            result["standby"] = {w.name: w.label + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
-                                 for w in self.workers.values() if w.offer is None}
+            except MeshnetError as e:   # the same words a session would get
+                result = {"route": None, "error": e.message, "kept_out": {}}
+            result["standby"] = {w.name: w.standby_state for w in self.workers.values() if w.offer is None}
             result["plan_note"] = self.plan_note
             f.set_result(result)
         return self._submit(report).result(5)
@@ -537,7 +536,7 @@ class Coordinator:
             return
         if len(frames) < 2:
             return  # an identity with no message: nothing to answer
-        self._guarded("handling a message", self._on_message, frames[0].bytes, frames[1:], _peer_key(frames[1]))
+        self._guarded("handling a message", self._on_message, frames[0].bytes, frames[1:])
 
     def _run_commands(self) -> None:
         try:
@@ -573,7 +572,7 @@ class Coordinator:
                 self._lose_worker(worker, "its connection is gone")
             return False
 
-    def _on_message(self, identity: bytes, frames: list, peer_key: str | None = None) -> None:
+    def _on_message(self, identity: bytes, frames: list) -> None:
         try:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
@@ -588,7 +587,7 @@ class Coordinator:
             return
         worker = self.workers.get(identity)
         if msg.type == P.READY:
-            self._register(identity, msg, peer_key)
+            self._register(identity, msg, _peer_key(frames[0]))
             return
         if worker is None:
             if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
@@ -743,20 +742,23 @@ class Coordinator:
 
     # ---- sessions ---------------------------------------------------------------------
 
-    def _route(self) -> list[WorkerRecord]:
+    def _choose_route(self):
+        """The tracker's choice among the registered ranges; without one, the refusal also
+        names the --layers auto workers and what their plan waits for."""
         try:
-            chosen = choose_route([w.offer for w in self.workers.values() if w.offer is not None],
-                                  allow_mixed=self.allow_mixed)
+            return choose_route([w.offer for w in self.workers.values() if w.offer is not None],
+                                allow_mixed=self.allow_mixed)
         except MeshnetError as e:
             waiting = [w for w in self.workers.values() if w.offer is None]
-            if waiting:
-                e = MeshnetError(e.code, f"{e.message}; {len(waiting)} worker(s) started with --layers auto: "
-                                 + ", ".join(f"{w.name} {w.label}" + (f" (failed: {w.assign_failed})" if w.assign_failed else "")
-                                             for w in waiting)
-                                 + (f"; {self.plan_note}" if self.plan_note else ""))
-            raise e from None
+            if not waiting:
+                raise
+            raise MeshnetError(e.code, f"{e.message}; {len(waiting)} worker(s) started with --layers auto: "
+                               + ", ".join(f"{w.name} {w.standby_state}" for w in waiting)
+                               + (f"; {self.plan_note}" if self.plan_note else "")) from None
+
+    def _route(self) -> list[WorkerRecord]:
         by_name = {w.name: w for w in self.workers.values()}
-        return [by_name[o.worker] for o in chosen.stages]
+        return [by_name[o.worker] for o in self._choose_route().stages]
 
     # ---- planning for --layers auto workers -------------------------------------------
 
