@@ -235,6 +235,8 @@ class StageLoop(threading.Thread):
     # ---- control jobs --------------------------------------------------------------------
 
     def _reply(self, job: Job, frames: list) -> None:
+        # a HEALTH that comes after this reply must see what the job did (a session opened)
+        self._refresh_stats()
         # the socket loop needs to know which connection asked and which bound frees up
         self.pair.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.encode(), *frames], copy=False)
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,21 @@ def test_without_root_the_script_says_why_and_exits_77_never_0():
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
             pytest.skip("no setpriv to drop root with")
-        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
-    result = subprocess.run(command, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
-                            timeout=60)
+        # a copy everybody can read: the checkout may sit in a directory only root can enter
+        # (mktemp -d is 0700), and the script says why before it needs anything beside it
+        scratch = tempfile.mkdtemp()
+        copy = Path(scratch) / "tools" / SCRIPT.name
+        copy.parent.mkdir()
+        shutil.copy(SCRIPT, copy)
+        for path in (copy, copy.parent, copy.parent.parent):
+            path.chmod(0o755)
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(copy)]
+    try:
+        result = subprocess.run(command, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                                timeout=60)
+    finally:
+        if command[0] == "setpriv":
+            shutil.rmtree(scratch)
     assert result.returncode == CANNOT, result.stdout + result.stderr
     assert "cannot build two hosts here: network namespaces need root" in result.stderr
 
