@@ -754,6 +754,8 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
 FUZZ_SIDS = [0, 1, 7, 12345, 2**63, 2**64 - 1]
 NF_SID = 4242              # the session every non-finite residual of the fuzz goes to, with its key: nothing may come of it
 REFERENCE_SID = 1_000_000  # + the round
+WARM_SID = 999_999         # one session of a full n_batch before the memory baseline
+WORKER_N_CTX = 512         # a single session can then fill the worker's n_batch
 
 
 class Router:
@@ -956,7 +958,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
     replies = Replies()
     router = Router(replies)
     worker = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", router.endpoint,
-                               "--model", smollm2_path, "--layers", "15:30", "--threads", str(THREADS), "--ctx", "256"])
+                               "--model", smollm2_path, "--layers", "15:30", "--threads", str(THREADS), "--ctx", str(WORKER_N_CTX)])
     try:
         # what a real head gives for the prompt and for the first generated token: the worker's real input
         with Stage(smollm2_path, (0, 15), n_ctx=256, max_sessions=1, n_threads=THREADS) as head:
@@ -1054,8 +1056,22 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
         opened = open_session(NF_SID)
         assert opened is not None and opened.type == P.OK, opened
         round_failures += reference_round(0)
-        rss_start = rss_kib(worker.pid)
-        rss_before = None   # taken once a quarter of the frames went in: ZeroMQ's and malloc's buffers warm up first
+        rss_loaded = rss_kib(worker.pid)
+        # The baseline is a worker that has served its largest batch: the engine's compute
+        # buffers are allocated at load, but their pages only count in RSS once a batch that
+        # large has touched them (+12 MiB from 12 rows to 255 on this tail), and the fuzz's
+        # random batch sizes would otherwise read as growth. A leak is what grows past that.
+        router.keys[WARM_SID].add(KEY)
+        opened = request(P.OPEN, sid=WARM_SID, key=KEY, stage=1, next=router.data_endpoint, reply=router.data_endpoint,
+                         prompt_len=WORKER_MAX_PAYLOAD // (4 * N_EMBD), max_tokens=1, stop_at_eog=False)
+        assert opened is not None and opened.type == P.OK, opened and opened.fields
+        full = residual_payload(rng, WORKER_MAX_PAYLOAD // (4 * N_EMBD))
+        warm = outcome(WARM_SID, P.encode(P.ACT, 0, payload=full, sid=WARM_SID, key=KEY, pos=0,
+                                          n=WORKER_MAX_PAYLOAD // (4 * N_EMBD)), "a full batch")
+        assert warm is not None and warm.type == P.TOKEN, warm and warm.fields
+        request(P.RELEASE, sid=WARM_SID)
+        rss_before = rss_kib(worker.pid)
+        rss_quarter = None
         t_start = time.monotonic()
         batch_no = 0
         every = max(1, FRAMES // REFERENCE_ROUNDS)
@@ -1100,8 +1116,8 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             if sum(sent.values()) >= next_round:
                 round_failures += reference_round(next_round // every)
                 next_round += every
-            if rss_before is None and sum(sent.values()) >= FRAMES // 4:
-                rss_before = rss_kib(worker.pid)
+            if rss_quarter is None and sum(sent.values()) >= FRAMES // 4:
+                rss_quarter = rss_kib(worker.pid)
             time.sleep(max(0.0, t_start + sum(sent.values()) / RATE - time.monotonic()))
         seconds = time.monotonic() - t_start
         replies.violations += round_failures
@@ -1124,7 +1140,8 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             elif sent["data"] and (sum(info["dropped"].values()) == 0 or set(info["dropped"]) - set(E.CODES)):
                 replies.violate("data plane", f"the worker's data fuzz was dropped as {info['dropped']}")
             rss_after = rss_kib(worker.pid)
-            print(f"worker RSS {rss_start} KiB at the start, {rss_before} KiB a quarter into the fuzz, {rss_after} KiB after it "
+            print(f"worker RSS {rss_loaded} KiB after a short session, {rss_before} KiB after a full batch (the baseline), "
+                  f"{rss_quarter} KiB a quarter into the fuzz, {rss_after} KiB after it "
                   f"({100 * (rss_after - rss_before) / rss_before:+.1f}%)")
             if rss_after > rss_before * 1.05:
                 replies.violate("memory", f"the worker's RSS grew from {rss_before} to {rss_after} KiB (> 5%)")
