@@ -320,7 +320,9 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
             # workers are left: the run's evidence from every host
             click.echo(json.dumps({"tokens": session.tokens, "text": text,
                                    "metrics": dict(session.metrics, stop_reason=session.stop_reason),
-                                   "stages": coord.metrics()["stages"]}))
+                                   "stages": coord.metrics()["stages"],
+                                   "mechanisms": {"control": security.mechanism(coord.router),
+                                                  "data": security.mechanism(coord.data)}}))
         else:
             stream.finish()
             if "drift" in session.metrics:

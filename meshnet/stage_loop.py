@@ -120,6 +120,7 @@ class StageLoop(threading.Thread):
             raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pushes: dict[str, zmq.Socket] = {}
+        self.pushes_opened: collections.Counter[str] = collections.Counter()   # by mechanism: the links that outlived their session
         self.sessions: dict[int, StageSession] = {}
         self.waiting: collections.deque[Step] = collections.deque()
         self.lock = threading.Lock()
@@ -227,7 +228,8 @@ class StageLoop(threading.Thread):
             "data_endpoint": self.data_endpoint,
             # what each data link really runs, as ZeroMQ reports it
             "mechanisms": {"data": security.mechanism(self.data),
-                           "pushes": {endpoint: security.mechanism(sock) for endpoint, sock in self.pushes.items()}},
+                           "pushes": {endpoint: security.mechanism(sock) for endpoint, sock in self.pushes.items()},
+                           "pushes_opened": dict(self.pushes_opened)},
             "refused_peers": self.curve.gatekeeper.refusals if self.curve else 0,
         }
         self._stats_at = now
@@ -471,6 +473,7 @@ class StageLoop(threading.Thread):
                 sock.close(linger=0)
                 raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {endpoint!r}: {e.strerror}") from None
             self.pushes[endpoint] = sock
+            self.pushes_opened[security.mechanism(sock)] += 1
         return sock
 
     def _send(self, session: StageSession, endpoint: str, frames: list) -> None:

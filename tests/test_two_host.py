@@ -45,7 +45,7 @@ def test_dry_run_prints_every_command_checks_first_then_workers_coordinator_repo
                     "--port", "6000", "--data-port", "6001", "--threads", "2", "--prompt", "It's a test",
                     "--max-tokens", "8")
     model_test = 'test -f "${MESHNET_HOME:-$HOME/.cache/meshnet}/models"/SmolLM2-135M-Instruct.Q4_1.gguf'
-    stop = ('for f in {}; do [ -f "$f" ] || continue; p=$(cat "$f"); kill "$p" 2>/dev/null; i=0; while kill -0 "$p" '
+    stop = ('rm -rf /tmp/RUN-keys; for f in {}; do [ -f "$f" ] || continue; p=$(cat "$f"); kill "$p" 2>/dev/null; i=0; while kill -0 "$p" '
             '2>/dev/null && [ $i -lt 20 ]; do sleep 0.5; i=$((i+1)); done; kill -0 "$p" 2>/dev/null && kill -9 "$p"; '
             'rm -f "$f"; done; true')
     report = 'ps -o pid=,rss=,time= -p "$(cat /tmp/RUN-worker-{0}.pid)" 2>/dev/null; tail -n 20 /tmp/RUN-worker-{0}.log 2>/dev/null; true'
@@ -103,12 +103,49 @@ def test_missing_or_bad_flags_are_refused_before_anything_runs():
         assert message in result.stderr and result.stdout == "", (args, result.stderr)
 
 
-def test_without_keys_it_runs_only_when_told_the_network_is_trusted():
-    refused = two_host("--host-a", "a@h", "--host-b", "b@h", "--dry-run", INSECURE="0")
-    assert refused.returncode == 2 and "--insecure" in refused.stderr and refused.stdout == ""
+def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(smollm2_path):
+    lines = dry_run("--host-a", "a@10.0.0.1", "--host-b", "b@10.0.0.2", INSECURE="0")
+    generated = [line for line in lines if " keys generate " in line]
+    assert [shlex.split(line)[-1] for line in generated] == ["coordinator", "worker-a", "worker-b"]
+    fresh = shlex.split(generated[0])[-3]
+    assert "meshnet-two-host-keys." in fresh
+    sent = {}   # host -> {name there: file here}, each sent over ssh's stdin, never on a command line
+    for line in lines:
+        if "cat > " in line:
+            command, source = line.rsplit(" < ", 1)
+            host, there = shlex.split(command)[-2:]
+            assert there.startswith("umask 077 && mkdir -p /tmp/RUN-keys"), there
+            sent.setdefault(host, {})[there.rsplit("cat > /tmp/RUN-keys/", 1)[1]] = source
+    assert sent == {
+        "a@10.0.0.1": {"coordinator.key_secret": f"{fresh}/coordinator.key_secret", "coordinator.key": f"{fresh}/coordinator.key",
+                       "worker-a.key_secret": f"{fresh}/worker-a.key_secret",
+                       "allowed/worker-a.key": f"{fresh}/worker-a.key", "allowed/worker-b.key": f"{fresh}/worker-b.key"},
+        "b@10.0.0.2": {"worker-b.key_secret": f"{fresh}/worker-b.key_secret", "coordinator.key": f"{fresh}/coordinator.key"},
+    }
+    commands = [remote(line) for line in lines if line.startswith(SSH)]
+    assert not [c for c in commands if "--insecure" in c]
+    worker_b, worker_a, coordinator = (c for c in commands if " worker " in c or " coordinator " in c)
+    assert "--secret /tmp/RUN-keys/worker-b.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_b
+    assert "--secret /tmp/RUN-keys/worker-a.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_a
+    assert coordinator.endswith("--json --secret /tmp/RUN-keys/coordinator.key_secret --allow /tmp/RUN-keys/allowed")
+    assert all(c.startswith("rm -rf /tmp/RUN-keys; ") for c in commands[-2:])   # the keys go with the processes
+
+
+def test_given_keys_are_used_and_only_the_missing_ones_made(tmp_path):
+    from meshnet import security
+    security.generate(tmp_path, "coordinator")
+    lines = dry_run("--host-a", "a@h", "--host-b", "b@h", "--keys", str(tmp_path), INSECURE="0")
+    assert [shlex.split(line)[-1] for line in lines if " keys generate " in line] == ["worker-a", "worker-b"]
+    assert f"< {tmp_path}/coordinator.key_secret" in "\n".join(lines)
+
+
+def test_without_keys_only_when_told_the_network_is_trusted_and_said_out_loud(tmp_path):
     told = two_host("--host-a", "a@h", "--host-b", "b@h", "--dry-run", "--insecure", INSECURE="0")
     assert told.returncode == 0 and all("--insecure" in line for line in told.stdout.splitlines()
                                         if " worker " in line or " coordinator " in line)
+    assert "cat > " not in told.stdout and "keys generate" not in told.stdout
+    both = two_host("--host-a", "a@h", "--host-b", "b@h", "--dry-run", "--insecure", "--keys", str(tmp_path))
+    assert both.returncode == 2 and "--keys and --insecure contradict each other" in both.stderr
 
 
 def test_the_layers_must_cover_the_model_it_has_here(smollm2_path):
@@ -142,12 +179,28 @@ def hosts(tmp_path, **flags):
     return args
 
 
-def test_a_run_through_an_ssh_stand_in_generates_reports_both_sides_and_stops_everything(tmp_path, smollm2_path):
-    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12), SSH=fake_ssh(tmp_path))
+def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_reports_and_stops_everything(tmp_path,
+                                                                                                        smollm2_path):
+    local = tmp_path / "here"
+    local.mkdir()
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12), SSH=fake_ssh(tmp_path),
+                      INSECURE="0", TMPDIR=str(local))
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(output["tokens"]) == 12 and output["metrics"]["stages"] == [
         [r.start, r.end] for r in read_layout(smollm2_path).balanced_ranges(2)]
+    # every link as ZeroMQ reports it: the coordinator's two sockets, each stage's control,
+    # data and the pushes it opened for the session (to the next stage, the coordinator and,
+    # from the tail, the head), closed since
+    links = [output["mechanisms"]["control"], output["mechanisms"]["data"]]
+    for stage in output["stages"]:
+        mechanisms = stage["mechanisms"]
+        assert set(mechanisms["pushes_opened"]) == {"CURVE"}, mechanisms
+        links += [mechanisms["control"], mechanisms["data"]]
+        links += [m for m, count in mechanisms["pushes_opened"].items() for _ in range(count)]
+    assert len(links) >= 8 and set(links) == {"CURVE"}, output["stages"]
+    assert f"two-host: links: CURVE on all {len(links)}" in result.stderr
+    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the keys, here and there, are gone
     assert re.search(r"two-host: 12 tokens after a \d+-token prompt; .* decode [\d.]+ tok/s, hop p50 \d+ us",
                      result.stderr)
     pids = [int(m) for m in re.findall(r"^ *(\d+) +\d+ +[\d:-]+$", result.stderr, re.M)]

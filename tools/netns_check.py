@@ -89,8 +89,8 @@ def max_logit_diff(got: list[np.ndarray], expected: list[np.ndarray]) -> float:
 
 def _curve_everywhere(coordinator) -> bool:
     """Every link of the route runs CURVE, as ZeroMQ reports it: the coordinator's own
-    sockets, and each stage's control and data endpoint (its pushes exist only while a
-    session runs: the parity runs check those through the stages' health)."""
+    sockets, and each stage's control and data endpoint (its pushes exist only from a
+    session's open: see _pushes_curve)."""
     from meshnet.security import mechanism
 
     mine = {mechanism(coordinator.router), mechanism(coordinator.data)}
@@ -123,6 +123,13 @@ def main(argv: list[str]) -> int:
     report["ok"] = ok
     say(json.dumps(report))
     return 0 if ok else 1
+
+
+def _pushes_curve(stats: list[dict]) -> tuple[bool, int]:
+    """Every push a stage opened for the sessions so far (to the next stage, the
+    coordinator, the head) ran CURVE; and how many there were."""
+    opened = [s["mechanisms"]["pushes_opened"] for s in stats]
+    return all(o and set(o) == {"CURVE"} for o in opened), sum(sum(o.values()) for o in opened)
 
 
 def check(args, report: dict) -> bool:
@@ -187,6 +194,10 @@ def check(args, report: dict) -> bool:
         shared = sum(s["batched_entries"] - s["forwards"] for s in stats)
         say(f"isolation {len(PROMPTS)} concurrent sessions {'each gave' if isolation else 'did NOT each give'} "
             f"exactly its tokens alone ({shared} steps shared a forward call with another)")
+        if keys is not None:
+            pushes_ok, n_pushes = _pushes_curve(stats)
+            report["curve"] = report["curve"] and pushes_ok
+            say(f"curve     every push the sessions opened ({n_pushes}) runs CURVE: {pushes_ok}")
 
         route_decode = statistics.median(alone[p].metrics["decode_tok_s"] for p in PROMPTS)
         whole_decode = statistics.median(whole[p][1].metrics["decode_tok_s"] for p in PROMPTS)
@@ -202,7 +213,7 @@ def check(args, report: dict) -> bool:
             if s.get("hop_us_p50") is not None:
                 say(f"hop       into {s['stage']}, every crossing (concurrent sessions included): "
                     f"p50 {s['hop_us_p50']:.0f} us, p99 {s['hop_us_p99']:.0f} us")
-        return parity and isolation and rtt_ok
+        return parity and isolation and rtt_ok and (keys is None or report["curve"])
 
 
 if __name__ == "__main__":

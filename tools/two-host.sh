@@ -18,8 +18,18 @@
 #                            when both addresses are the same)
 #   --threads N              compute threads per worker, 0: one per core [THREADS]
 #   --prompt TEXT, --max-tokens N, --wait S    as `meshnet coordinator` [PROMPT, MAX_TOKENS, WAIT]
-#   --remote-dir DIR         logs and pid files on the hosts [REMOTE_DIR]; default /tmp
+#   --remote-dir DIR         logs, pid files and keys on the hosts [REMOTE_DIR]; default /tmp
+#   --keys DIR               CURVE keys here, from `meshnet keys generate`: coordinator,
+#                            worker-a and worker-b (those missing are generated there)
+#                            [KEYS]; default: fresh ones for this run, removed at its end
+#   --insecure               no keys: every link in clear text, anyone on the network can
+#                            register as a worker [INSECURE=1]; only on a network you trust
 #   --dry-run                print the commands, one per line, and run none
+# Every link runs CURVE unless --insecure: each host is sent (over ssh's stdin, into a
+# 0700 directory under --remote-dir, removed at the end) its own secret key and the
+# public keys it must know: host A the coordinator's secret, worker A's and the workers'
+# public keys (the coordinator's allow-list); host B worker B's secret and the
+# coordinator's public key. The workers learn each other's keys from the coordinator.
 # It installs nothing: a host without meshnet, or without the model (which meshnet would
 # otherwise fetch from PyPI), stops the run before anything starts there. The workers and
 # the coordinator are stopped (by the pids they recorded) when this script ends, Ctrl-C
@@ -36,7 +46,7 @@ meshnet=${MESHNET:-meshnet} meshnet_b=${MESHNET_B:-}
 model=${MODEL:-smollm2} layers=${LAYERS:-}
 port=${PORT:-5555} data_port=${DATA_PORT:-5556} threads=${THREADS:-0}
 prompt=${PROMPT:-The capital of France is} max_tokens=${MAX_TOKENS:-48} wait_s=${WAIT:-120}
-remote_dir=${REMOTE_DIR:-/tmp}
+remote_dir=${REMOTE_DIR:-/tmp} keys=${KEYS:-}
 dry_run=0
 insecure=${INSECURE:-0}
 
@@ -46,7 +56,7 @@ while [ $# -gt 0 ]; do
     --insecure) insecure=1; shift; continue ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --host-a | --host-b | --addr-a | --addr-b | --meshnet | --meshnet-b | --model | --layers | --port | \
-    --data-port | --threads | --prompt | --max-tokens | --wait | --remote-dir)
+    --data-port | --threads | --prompt | --max-tokens | --wait | --remote-dir | --keys)
         [ $# -ge 2 ] || die "$1 needs a value"
         value=$2 ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -67,15 +77,12 @@ while [ $# -gt 0 ]; do
     --max-tokens) max_tokens=$value ;;
     --wait) wait_s=$value ;;
     --remote-dir) remote_dir=$value ;;
+    --keys) keys=$value ;;
     esac
     shift 2
 done
 
-# meshnet refuses to serve beyond loopback without CURVE keys; handing keys to the hosts
-# is not this script's job yet, so the choice of a keyless run on a trusted network is
-# the caller's, said out loud
-[ "$insecure" = 1 ] || die "the workers and the coordinator would listen on the network without CURVE keys: pass \
---insecure (or INSECURE=1) on a network you trust; this script does not hand out keys yet"
+[ "$insecure" != 1 ] || [ -z "$keys" ] || die "--keys and --insecure contradict each other: give one"
 [ -n "$host_a" ] || die "--host-a (or HOST_A) is missing: the ssh destination that runs the coordinator and the first worker, e.g. --host-a user@10.0.0.1"
 [ -n "$host_b" ] || die "--host-b (or HOST_B) is missing: the ssh destination that runs the second worker, e.g. --host-b user@10.0.0.2"
 for pair in "port:$port" "data-port:$data_port" "threads:$threads" "max-tokens:$max_tokens" "wait:$wait_s"; do
@@ -133,6 +140,7 @@ run=two-host-$(date +%Y%m%d-%H%M%S)-$$
 log_a=$remote_dir/meshnet-$run-worker-a.log log_b=$remote_dir/meshnet-$run-worker-b.log
 pid_a=$remote_dir/meshnet-$run-worker-a.pid pid_b=$remote_dir/meshnet-$run-worker-b.pid
 pid_c=$remote_dir/meshnet-$run-coordinator.pid
+keys_remote=$remote_dir/meshnet-$run-keys
 coordinator=tcp://$addr_a:$port
 
 on() {  # on HOST REMOTE-COMMAND: run it there over ssh, or print it
@@ -144,14 +152,28 @@ if [ -n "$model_file" ]; then
 else
     model_test="test -f $(quote "$model")"
 fi
-worker() {  # worker MESHNET RANGE ADDR DATA_PORT LOG PIDFILE: the remote command that starts one
-    echo "nohup $(words "$1" worker --coordinator "$coordinator" --model "$model" --layers "$2" \
-        --data-bind "tcp://$3:$4" --threads "$threads" --insecure) > $(quote "$5") 2>&1 < /dev/null & echo \$! > $(quote "$6")"
+local_run() {  # a command on this machine (what it says goes to stderr), or print it
+    if [ "$dry_run" -eq 1 ]; then words "$@"; else "$@" >&2; fi
+}
+send_key() {  # send_key HOST FILE NAME: FILE here becomes NAME in the host's key directory, via ssh's stdin
+    local cmd=("${ssh[@]}" "$1" "umask 077 && mkdir -p $(quote "$(dirname "$keys_remote/$3")") && cat > $(quote "$keys_remote/$3")")
+    if [ "$dry_run" -eq 1 ]; then echo "$(words "${cmd[@]}") < $(quote "$2")"; else "${cmd[@]}" < "$2"; fi
+}
+security() {  # security SIDE: a worker's key flags (a or b), or the coordinator's (c)
+    if [ "$insecure" = 1 ]; then echo --insecure; return; fi
+    case $1 in
+    c) words --secret "$keys_remote/coordinator.key_secret" --allow "$keys_remote/allowed" ;;
+    *) words --secret "$keys_remote/worker-$1.key_secret" --coordinator-key "$keys_remote/coordinator.key" ;;
+    esac
+}
+worker() {  # worker SIDE MESHNET RANGE ADDR DATA_PORT LOG PIDFILE: the remote command that starts one
+    echo "nohup $(words "$2" worker --coordinator "$coordinator" --model "$model" --layers "$3" \
+        --data-bind "tcp://$4:$5" --threads "$threads") $(security "$1") > $(quote "$6") 2>&1 < /dev/null & echo \$! > $(quote "$7")"
 }
 stop() {  # the remote command that stops what the pid files name: SIGTERM, then SIGKILL after 10 s
     local f files=()
     for f in "$@"; do files+=("$(quote "$f")"); done
-    echo "for f in ${files[*]}; do [ -f \"\$f\" ] || continue; p=\$(cat \"\$f\"); kill \"\$p\" 2>/dev/null;" \
+    echo "rm -rf $(quote "$keys_remote"); for f in ${files[*]}; do [ -f \"\$f\" ] || continue; p=\$(cat \"\$f\"); kill \"\$p\" 2>/dev/null;" \
         "i=0; while kill -0 \"\$p\" 2>/dev/null && [ \$i -lt 20 ]; do sleep 0.5; i=\$((i+1)); done;" \
         "kill -0 \"\$p\" 2>/dev/null && kill -9 \"\$p\"; rm -f \"\$f\"; done; true"
 }
@@ -162,6 +184,7 @@ report() {  # the remote command that shows a worker's memory, CPU time and last
 if [ "$dry_run" -eq 0 ]; then
     command -v "${ssh[0]}" >/dev/null || not_ready "no '${ssh[0]}' here to reach the hosts"
     echo "two-host: $host_a ($addr_a): coordinator $coordinator and layers $first; $host_b ($addr_b): layers $second; model $model" >&2
+    [ "$insecure" != 1 ] || echo "two-host: WARNING: --insecure: no keys, every link in clear text and open to anyone on the network" >&2
 fi
 
 # 1. each host has meshnet and the model: nothing is installed behind the user's back
@@ -181,22 +204,44 @@ done
 
 # 2. the workers, then the coordinator in the foreground (workers wait for it)
 if [ "$dry_run" -eq 0 ]; then
+    fresh_keys=
     cleanup() {
         local status=$?
         trap - EXIT INT TERM
         on "$host_a" "$(stop "$pid_c" "$pid_a")" || true
         on "$host_b" "$(stop "$pid_b")" || true
         rm -f "${out:-}"
+        [ -z "$fresh_keys" ] || rm -rf "$fresh_keys"
         exit "$status"
     }
     trap cleanup EXIT
     trap 'exit 130' INT
     trap 'exit 143' TERM
 fi
-on "$host_b" "$(worker "$meshnet_b" "$second" "$addr_b" "$data_port_b" "$log_b" "$pid_b")"
-on "$host_a" "$(worker "$meshnet" "$first" "$addr_a" "$data_port" "$log_a" "$pid_a")"
+if [ "$insecure" != 1 ]; then
+    # the keys: made here (never on a command line, never on a host that needs only the public half)
+    if [ -z "$keys" ]; then
+        if [ "$dry_run" -eq 1 ]; then keys=${TMPDIR:-/tmp}/meshnet-two-host-keys.XXXXXX
+        else fresh_keys=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-two-host-keys.XXXXXX") && keys=$fresh_keys
+        fi
+    fi
+    for name in coordinator worker-a worker-b; do
+        [ -f "$keys/$name.key_secret" ] && [ -f "$keys/$name.key" ] ||
+            local_run "$py" -m meshnet.cli keys generate "$keys" --name "$name" ||
+            die "cannot generate the $name key in $keys"
+    done
+    send_key "$host_a" "$keys/coordinator.key_secret" coordinator.key_secret
+    send_key "$host_a" "$keys/worker-a.key" allowed/worker-a.key
+    send_key "$host_a" "$keys/worker-b.key" allowed/worker-b.key
+    send_key "$host_a" "$keys/worker-a.key_secret" worker-a.key_secret
+    send_key "$host_a" "$keys/coordinator.key" coordinator.key
+    send_key "$host_b" "$keys/worker-b.key_secret" worker-b.key_secret
+    send_key "$host_b" "$keys/coordinator.key" coordinator.key
+fi
+on "$host_b" "$(worker b "$meshnet_b" "$second" "$addr_b" "$data_port_b" "$log_b" "$pid_b")"
+on "$host_a" "$(worker a "$meshnet" "$first" "$addr_a" "$data_port" "$log_a" "$pid_a")"
 coordinate="echo \$\$ > $(quote "$pid_c"); exec $(words "$meshnet" coordinator --bind "$coordinator" --prompt "$prompt" \
-    --max-tokens "$max_tokens" --wait "$wait_s" --json --insecure)"
+    --max-tokens "$max_tokens" --wait "$wait_s" --json) $(security c)"
 if [ "$dry_run" -eq 1 ]; then
     on "$host_a" "$coordinate"
     on "$host_a" "$(report "$pid_a" "$log_a")"
@@ -213,13 +258,23 @@ on "$host_a" "$coordinate" | tee "$out" || status=$?
 if [ "$status" -eq 0 ]; then
     "$py" -c '
 import json, sys
-m = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["metrics"]
+out = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+m = out["metrics"]
 def num(key, fmt):
     return fmt.format(m[key]) if m.get(key) is not None else "-"
 print("two-host: {} tokens after a {}-token prompt; ttft {} ms, prefill {} tok/s, decode {} tok/s, hop p50 {} us, "
       "p99 {} us".format(m["generated_tokens"], m["prompt_tokens"], num("ttft_ms", "{:.0f}"),
                          num("prefill_tok_s", "{:.1f}"), num("decode_tok_s", "{:.1f}"), num("hop_us_p50", "{:.0f}"),
-                         num("hop_us_p99", "{:.0f}")), file=sys.stderr)' "$out" || true
+                         num("hop_us_p99", "{:.0f}")), file=sys.stderr)
+links = {"coordinator " + k: v for k, v in out.get("mechanisms", {}).items()}
+for i, stage in enumerate(out.get("stages", [])):
+    mech = stage.get("mechanisms", {})
+    links.update({f"stage {i} control": mech.get("control"), f"stage {i} data": mech.get("data")})
+    # its pushes (to the next stage, the coordinator, the head) were closed with the session: counted as opened
+    links.update({f"stage {i} push {n}": m for m, count in mech.get("pushes_opened", {}).items() for n in range(count)})
+plain = sorted(k for k, v in links.items() if v != "CURVE")
+print(f"two-host: links: CURVE on all {len(links)}" if links and not plain else
+      "two-host: links in clear text: " + ", ".join(f"{k} ({links[k]})" for k in plain), file=sys.stderr)' "$out" || true
 fi
 rm -f "$out"
 echo "two-host: worker $first on $host_a (pid, RSS KiB, CPU time; its log):" >&2
