@@ -13,7 +13,11 @@ setup(
         "msgpack>=1.0",
         "click>=8.1",
         "gguf>=0.10",
+        # meshnet serve: the ASGI stack llama-cpp-python's and vLLM's servers use
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
-    extras_require={"test": ["pytest>=7", "jsonschema>=4"]},
+    # the real OpenAI client against meshnet serve; a real terminal for meshnet chat
+    extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli:main"]},
 )

@@ -5,7 +5,8 @@
  * The head stage (layer_start == 0) takes token ids; any other stage takes the
  * residual stream (f32, n_tokens x n_embd) that the previous stage returned. A stage
  * before the tail returns the residual after its last layer for every token; the tail
- * returns the last token's logits and greedy token per entry.
+ * returns the last token's logits and next token per entry: the most likely one, or,
+ * for a session given sampling parameters, llama.cpp's sampler chain's choice.
  *
  * Every call returns a meshnet_status; on failure the stage's last error says what
  * went wrong in words (meshnet_stage_last_error). No C++ exception crosses this ABI.
@@ -22,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 1
+#define MESHNET_ENGINE_ABI_VERSION 2
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -46,7 +47,8 @@ typedef enum {
     MESHNET_ERR_DECODE            = 12, /* llama.cpp failed to compute the batch */
     MESHNET_ERR_BUFFER_TOO_SMALL  = 13,
     MESHNET_ERR_INTERNAL          = 14,
-    MESHNET_ERR_BAD_VALUE         = 15  /* a residual or logit that is not finite, or too large to be real */
+    MESHNET_ERR_BAD_VALUE         = 15, /* a residual or logit that is not finite, or too large to be real */
+    MESHNET_ERR_NO_TEMPLATE       = 16  /* the model has no chat template llama.cpp knows */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
@@ -95,13 +97,36 @@ typedef struct {
 } meshnet_entry;
 
 /* Caller-owned output buffers. A stage before the tail fills residual with one row of
- * n_embd floats per input row, in entry order. The tail fills greedy[e] and, when
- * logits is not NULL, logits[e * n_vocab ...] with entry e's last-row logits. */
+ * n_embd floats per input row, in entry order. The tail fills token[e] with entry e's
+ * next token and, when logits is not NULL, logits[e * n_vocab ...] with entry e's
+ * last-row logits (before any sampler). */
 typedef struct {
     float   * residual;
     float   * logits;
-    int32_t * greedy;
+    int32_t * token;
 } meshnet_output;
+
+/* How the tail picks a session's next token: llama.cpp's sampler chain, in llama.cpp's
+ * order: penalties, top-k, top-p, min-p, temperature, then a draw. The draw for the token
+ * at position p is seeded from (seed, p), and the penalties look at the session's tokens
+ * so far, so the choice is a pure function of these parameters, the seed and the tokens
+ * before it: whatever the route, and again after a replay. */
+typedef struct {
+    float    temperature;       /* <= 0: the most likely token after the penalties */
+    int32_t  top_k;             /* <= 0: off */
+    float    top_p;             /* >= 1: off */
+    float    min_p;             /* <= 0: off */
+    float    repeat_penalty;    /* 1: off */
+    int32_t  penalty_last_n;    /* tokens the penalties look back on; -1: the whole context */
+    float    frequency_penalty; /* 0: off */
+    float    presence_penalty;  /* 0: off */
+    uint64_t seed;
+} meshnet_sampling;
+
+typedef struct {
+    const char * role;      /* "system", "user", "assistant" */
+    const char * content;
+} meshnet_chat_message;
 
 MESHNET_API int32_t      meshnet_engine_abi_version(void);
 /* "llama.cpp@<commit> sdist=<sha256> patches=<sha256>" */
@@ -118,6 +143,13 @@ MESHNET_API meshnet_status meshnet_session_open    (meshnet_stage * stage, uint6
 MESHNET_API meshnet_status meshnet_session_release (meshnet_stage * stage, uint64_t session_id);
 MESHNET_API meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep);
 MESHNET_API meshnet_status meshnet_session_length  (meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens);
+/* The tail samples the session's tokens from now on (NULL: the most likely token again).
+ * history holds the session's tokens so far (the prompt, and any tokens generated before
+ * a replay); each sampled token is added to it. A forward call whose rows end before the
+ * end of the history (a prompt chunk) returns the most likely token, untouched by the
+ * sampler; rows that end past it are refused: the tokens in between are unknown. */
+MESHNET_API meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_id,
+                                    const meshnet_sampling * sampling, const int32_t * history, int32_t n_history);
 
 MESHNET_API meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries,
                                      int32_t n_entries, meshnet_output * out);
@@ -133,6 +165,14 @@ MESHNET_API meshnet_status meshnet_tokenize(meshnet_stage * stage, const char * 
 MESHNET_API meshnet_status meshnet_detokenize(meshnet_stage * stage, const int32_t * tokens, int32_t n_tokens,
                                   char * text, int32_t capacity, int32_t * n_out);
 MESHNET_API int32_t        meshnet_token_is_eog(meshnet_stage * stage, int32_t token);
+
+/* The model's own chat template (from the GGUF), applied by llama.cpp to the messages,
+ * ending with the assistant's turn when add_assistant. *n_out is the byte count written,
+ * or needed when the call returns MESHNET_ERR_BUFFER_TOO_SMALL; the text is not
+ * NUL-terminated. */
+MESHNET_API meshnet_status meshnet_chat_template(meshnet_stage * stage, const meshnet_chat_message * messages,
+                                 int32_t n_messages, int32_t add_assistant,
+                                 char * text, int32_t capacity, int32_t * n_out);
 
 #ifdef __cplusplus
 }

@@ -87,7 +87,21 @@ struct session_slot {
     bool     open     = false;
     uint64_t id       = 0;
     int32_t  n_tokens = 0;
+    bool                 sampled = false;   // the tail samples this session's tokens
+    meshnet_sampling     sampling = {};
+    std::vector<int32_t> history;           // with sampling: the session's tokens so far
 };
+
+// the draw for the token at position pos: splitmix64 of (seed, pos), so that each
+// position has its own stream whatever came before or was replayed
+uint32_t draw_seed(uint64_t seed, int64_t pos) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (uint64_t) (pos + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const uint32_t out = (uint32_t) z;
+    return out == LLAMA_DEFAULT_SEED ? out - 1 : out;   // the default asks llama.cpp for a random seed
+}
 
 // what the GGUF header says, read before llama.cpp loads anything
 struct gguf_summary {
@@ -141,6 +155,7 @@ struct meshnet_stage {
 
     meshnet_stage_info        info = {};
     std::vector<session_slot> slots;          // index = llama sequence id
+    std::vector<llama_token_data> candidates; // the sampler's working array, n_vocab long
     std::atomic<bool>         abort_requested{false};
     std::string               last_error;
 
@@ -315,6 +330,12 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
                 format("entry %d: position %d does not follow session %llu, which holds %d tokens",
                        index, e.pos, (unsigned long long) e.session_id, slot->n_tokens));
     }
+    if (slot->sampled && (int64_t) e.pos + e.n_tokens > (int64_t) slot->history.size()) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("entry %d: rows up to position %d, but session %llu's sampler knows its tokens only up to %zu: "
+                       "give it the tokens so far (meshnet_session_sampling)", index, e.pos + e.n_tokens - 1,
+                       (unsigned long long) e.session_id, slot->history.size()));
+    }
     if ((int64_t) e.pos + e.n_tokens > info.n_ctx) {
         return stage->fail(MESHNET_ERR_CONTEXT_FULL,
                 format("entry %d: positions %d..%d are past the context of %d tokens per session",
@@ -350,14 +371,56 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
     return MESHNET_OK;
 }
 
+// The token at position pos, from its logits, by llama.cpp's samplers. The chain is built
+// for this one draw, from the parameters and the history alone: nothing carries over.
+int32_t sample(meshnet_stage * stage, const session_slot & slot, const float * logits, int64_t pos) {
+    const meshnet_sampling & p = slot.sampling;
+    const int32_t n_vocab = stage->info.n_vocab;
+    llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+        const int32_t last_n = p.penalty_last_n < 0 ? stage->info.n_ctx : p.penalty_last_n;
+        llama_sampler * penalties = llama_sampler_init_penalties(n_vocab, last_n, p.repeat_penalty,
+                                                                 p.frequency_penalty, p.presence_penalty);
+        const size_t from = slot.history.size() > (size_t) last_n ? slot.history.size() - (size_t) last_n : 0;
+        for (size_t t = from; t < slot.history.size(); ++t) {
+            llama_sampler_accept(penalties, slot.history[t]);
+        }
+        llama_sampler_chain_add(chain, penalties);
+    }
+    if (p.temperature <= 0.0f) {
+        llama_sampler_chain_add(chain, llama_sampler_init_greedy());
+    } else {
+        if (p.top_k > 0) {
+            llama_sampler_chain_add(chain, llama_sampler_init_top_k(p.top_k));
+        }
+        if (p.top_p < 1.0f) {
+            llama_sampler_chain_add(chain, llama_sampler_init_top_p(p.top_p, 1));
+        }
+        if (p.min_p > 0.0f) {
+            llama_sampler_chain_add(chain, llama_sampler_init_min_p(p.min_p, 1));
+        }
+        llama_sampler_chain_add(chain, llama_sampler_init_temp(p.temperature));
+        llama_sampler_chain_add(chain, llama_sampler_init_dist(draw_seed(p.seed, pos)));
+    }
+    stage->candidates.resize(n_vocab);
+    for (int32_t v = 0; v < n_vocab; ++v) {
+        stage->candidates[v] = llama_token_data{ v, logits[v], 0.0f };
+    }
+    llama_token_data_array cur = { stage->candidates.data(), (size_t) n_vocab, -1, false };
+    llama_sampler_apply(chain, &cur);
+    const int32_t token = cur.selected >= 0 && (size_t) cur.selected < cur.size ? cur.data[cur.selected].id : 0;
+    llama_sampler_free(chain);
+    return token;
+}
+
 meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
     const meshnet_stage_info & info = stage->info;
     if (!entries || n_entries < 1 || !out) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "forward needs at least one entry and an output");
     }
-    if (info.is_tail ? !out->greedy : !out->residual) {
+    if (info.is_tail ? !out->token : !out->residual) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
-                info.is_tail ? "the tail stage needs a greedy output buffer" : "this stage needs a residual output buffer");
+                info.is_tail ? "the tail stage needs a token output buffer" : "this stage needs a residual output buffer");
     }
 
     int64_t n_rows = 0;
@@ -442,7 +505,7 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 roll_back();
                 return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
             }
-            // one pass over the vocabulary: the greedy token, and no non-finite logit
+            // one pass over the vocabulary: the most likely token, and no non-finite logit
             int32_t best = 0;
             for (int32_t v = 0; v < info.n_vocab; ++v) {
                 if (!std::isfinite(logits[v])) {
@@ -455,9 +518,18 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                     best = v;
                 }
             }
-            out->greedy[i] = best;
+            out->token[i] = best;
             if (out->logits) {
                 std::memcpy(out->logits + (size_t) i * info.n_vocab, logits, sizeof(float) * info.n_vocab);
+            }
+        }
+        // every entry's logits are good: only now may a sampled token join a history
+        for (int32_t i = 0; i < n_entries; ++i) {
+            session_slot * slot = stage->find(entries[i].session_id);
+            const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
+            if (slot->sampled && next == (int64_t) slot->history.size()) {
+                out->token[i] = sample(stage, *slot, llama_get_logits_ith(stage->ctx, last_row[i]), next);
+                slot->history.push_back(out->token[i]);
             }
         }
     } else {
@@ -599,7 +671,9 @@ meshnet_status meshnet_session_open(meshnet_stage * stage, uint64_t session_id) 
     for (auto & slot : stage->slots) {
         if (!slot.open) {
             llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(&slot), -1, -1);
-            slot = { true, session_id, 0 };
+            slot = session_slot();
+            slot.open = true;
+            slot.id   = session_id;
             return MESHNET_OK;
         }
     }
@@ -634,6 +708,9 @@ meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_
     }
     llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), n_keep, -1);
     slot->n_tokens = n_keep;
+    if (slot->history.size() > (size_t) n_keep) {
+        slot->history.resize(n_keep);   // the tokens after n_keep may be chosen again
+    }
     return MESHNET_OK;
 }
 
@@ -709,6 +786,75 @@ meshnet_status meshnet_detokenize(meshnet_stage * stage, const int32_t * tokens,
 
 int32_t meshnet_token_is_eog(meshnet_stage * stage, int32_t token) {
     return stage && token >= 0 && token < stage->info.n_vocab && llama_vocab_is_eog(stage->vocab, token);
+}
+
+meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_id, const meshnet_sampling * sampling,
+                                        const int32_t * history, int32_t n_history) {
+    if (!stage || n_history < 0 || (n_history > 0 && !history)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    if (!sampling) {
+        slot->sampled = false;
+        slot->history.clear();
+        return MESHNET_OK;
+    }
+    if (!stage->info.is_tail) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "only the tail stage samples tokens");
+    }
+    const meshnet_sampling & p = *sampling;
+    if (!std::isfinite(p.temperature) || !std::isfinite(p.top_p) || !std::isfinite(p.min_p) ||
+        !std::isfinite(p.repeat_penalty) || !std::isfinite(p.frequency_penalty) || !std::isfinite(p.presence_penalty) ||
+        p.repeat_penalty <= 0.0f || p.penalty_last_n < -1) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                "sampling parameters must be finite, repeat_penalty above 0 and penalty_last_n at least -1");
+    }
+    if (n_history > stage->info.n_ctx || n_history < slot->n_tokens) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("a history of %d tokens for a session that holds %d, in a context of %d",
+                       n_history, slot->n_tokens, stage->info.n_ctx));
+    }
+    for (int32_t i = 0; i < n_history; ++i) {
+        if (history[i] < 0 || history[i] >= stage->info.n_vocab) {
+            return stage->fail(MESHNET_ERR_BAD_TOKEN,
+                    format("history token %d is %d, outside the vocabulary [0, %d)", i, history[i], stage->info.n_vocab));
+        }
+    }
+    slot->sampled  = true;
+    slot->sampling = p;
+    slot->history.assign(history, history + n_history);
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_chat_template(meshnet_stage * stage, const meshnet_chat_message * messages, int32_t n_messages,
+                                     int32_t add_assistant, char * text, int32_t capacity, int32_t * n_out) {
+    if (!stage || n_messages < 0 || (n_messages > 0 && !messages) || capacity < 0 || !n_out || (capacity > 0 && !text)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    const char * tmpl = llama_model_chat_template(stage->model, nullptr);
+    if (!tmpl) {
+        return stage->fail(MESHNET_ERR_NO_TEMPLATE, "the model has no chat template (tokenizer.chat_template)");
+    }
+    std::vector<llama_chat_message> chat(n_messages);
+    for (int32_t i = 0; i < n_messages; ++i) {
+        if (!messages[i].role || !messages[i].content) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("message %d has no role or no content", i));
+        }
+        chat[i] = { messages[i].role, messages[i].content };
+    }
+    const int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant != 0, text, capacity);
+    if (n < 0) {
+        return stage->fail(MESHNET_ERR_NO_TEMPLATE,
+                "the model's chat template is not one llama.cpp knows (it applies built-in templates, not Jinja)");
+    }
+    *n_out = n;
+    if (n > capacity) {
+        return stage->fail(MESHNET_ERR_BUFFER_TOO_SMALL, format("the chat prompt needs %d bytes", n));
+    }
+    return MESHNET_OK;
 }
 
 } // extern "C"

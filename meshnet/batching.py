@@ -83,7 +83,7 @@ def run_batch(stage: Stage, steps: Sequence[Step]) -> list[StepResult]:
     for i, step in enumerate(steps):
         if stage.is_tail:
             logits = out.logits[i] if step.want_logits else None
-            results.append(StepResult(step, token=int(out.greedy[i]), logits=logits))
+            results.append(StepResult(step, token=int(out.token[i]), logits=logits))
         else:
             results.append(StepResult(step, residual=out.residual[at : at + step.n]))
             at += step.n

@@ -46,6 +46,7 @@ from .drift import DriftMeter
 from .layers import LayerRange
 from . import security
 from .planner import OVERHEAD, ModelCost, Node, Settings, plan
+from .sampling import Sampling
 from .security import Gatekeeper, KeyPair
 from .tracker import StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability
 
@@ -382,21 +383,41 @@ class Coordinator:
         return self._submit(snap).result(5)
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
-                 stop_at_eog: bool = True, prefill_chunk: int | None = None) -> SessionHandle:
+                 stop_at_eog: bool = True, prefill_chunk: int | None = None,
+                 sampling: Sampling | None = None) -> SessionHandle:
+        """A new session: its tokens come from the tail, the most likely ones or, with
+        sampling, llama.cpp's sampler chain's (seeded: the same on any route)."""
         gen = Generation(list(prompt_tokens), StopRule(max_tokens, stop_at_eog), prefill_chunk or self.prefill_chunk,
                          tail_feeds_head=True)   # checks the request before anything starts
+        sampling = None if sampling is None or sampling.greedy else sampling
         sid = next(self._sids)
         events = SessionEvents()
         self._submit(lambda f: self._guarded("starting a session", self._start_session, sid, gen, want_logits, events,
-                                             sid=sid, events=events))
+                                             sampling, sid=sid, events=events))
         return SessionHandle(self, sid, events, list(prompt_tokens))
 
     def cancel(self, sid: int) -> None:
         self._submit(lambda f: self._cancel_session(sid))
 
-    def tokenize(self, text: str, timeout: float = 30.0) -> list[int]:
+    def tokenize(self, text: str, timeout: float = 30.0, *, add_special: bool = True,
+                 parse_special: bool = False) -> list[int]:
+        """As llama.cpp tokenizes for the model; a chat prompt (special tokens written out
+        by its template) wants parse_special."""
         utf8_or_error(text, "the text")
-        return self._query_stage(0, P.TOKENIZE, {"text": text}).result(timeout)["tokens"]
+        return self._query_stage(0, P.TOKENIZE, {"text": text, "add_special": add_special,
+                                                 "parse_special": parse_special}).result(timeout)["tokens"]
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, timeout: float = 30.0) -> str:
+        """The prompt text for these chat messages ([{"role", "content"}]), by the model's
+        own chat template, applied by llama.cpp on the head."""
+        if not isinstance(messages, list) or not messages:
+            raise MeshnetError(E.INVALID_ARGUMENT, "a chat needs at least one message")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
+                raise MeshnetError(E.INVALID_ARGUMENT, f"message {i} is not {{'role': text, 'content': text}}")
+            utf8_or_error(m["content"], f"message {i}'s content")
+        return self._query_stage(0, P.TEMPLATE, {"messages": messages, "add_generation_prompt": add_generation_prompt}
+                                 ).result(timeout)["text"]
 
     def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
         return self._query_stage(-1, P.DETOKENIZE, {"tokens": list(tokens)}).result(timeout)["text"]
@@ -811,7 +832,8 @@ class Coordinator:
     def _route_offers(self) -> list[StageOffer]:
         return [w.offer for w in self._route()]
 
-    def _start_session(self, sid: int, gen: Generation, want_logits: bool, events: queue.Queue) -> None:
+    def _start_session(self, sid: int, gen: Generation, want_logits: bool, events: queue.Queue,
+                       sampling: Sampling | None = None) -> None:
         try:
             route = self._route()
         except MeshnetError as e:
@@ -840,7 +862,10 @@ class Coordinator:
                           hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"],
                           gather=True if i == 0 and gather else None,
                           # with CURVE each stage learns the keys of its two neighbours in the ring
-                          next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key)
+                          next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
+                          # the tail samples, knowing the prompt (its penalties look back on it)
+                          sampling=sampling.to_wire() if i == last and sampling else None,
+                          history=list(gen.prompt) if i == last and sampling else None)
 
     def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
         """Carry out what the session's generation asks for."""

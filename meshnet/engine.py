@@ -18,11 +18,12 @@ from cffi import FFI
 from . import errors
 from .errors import MeshnetError
 from .layers import LayerRange
+from .sampling import Sampling
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -41,6 +42,7 @@ STATUS_CODES = {
     13: errors.BUFFER_TOO_SMALL,
     14: errors.INTERNAL,
     15: errors.BAD_PAYLOAD,   # a residual or logit that is not finite (or too large to be real)
+    16: errors.NO_CHAT_TEMPLATE,
 }
 
 
@@ -132,10 +134,11 @@ class Entry:
 @dataclass
 class Output:
     """A stage before the tail gives residual rows (entries' rows concatenated in order);
-    the tail gives each entry's greedy token and, when asked, its last-row logits."""
+    the tail gives each entry's next token (the most likely, or its session's sampler's
+    choice) and, when asked, its last-row logits."""
 
     residual: np.ndarray | None = None
-    greedy: np.ndarray | None = None
+    token: np.ndarray | None = None
     logits: np.ndarray | None = None
 
 
@@ -266,6 +269,19 @@ class Stage:
         self._check(self._lib.meshnet_session_length(self._live(), session_id, n))
         return n[0]
 
+    def set_sampling(self, session_id: int, sampling: Sampling | None, history: Sequence[int] = ()) -> None:
+        """The tail samples the session's tokens with these parameters from now on (None or
+        greedy: the most likely token); history is the session's tokens so far."""
+        if sampling is None or sampling.greedy:
+            self._check(self._lib.meshnet_session_sampling(self._live(), session_id, _ffi.NULL, _ffi.NULL, 0))
+            return
+        raw = _ffi.new("meshnet_sampling *", {f: getattr(sampling, f) for f in (
+            "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "frequency_penalty",
+            "presence_penalty", "seed")})
+        tokens = np.ascontiguousarray(history, dtype=np.int32)
+        self._check(self._lib.meshnet_session_sampling(self._live(), session_id, raw,
+                                                       _ffi.from_buffer("int32_t[]", tokens), len(tokens)))
+
     # compute
 
     def forward(self, entries: Sequence[Entry], want_logits: bool = True) -> Output:
@@ -295,8 +311,8 @@ class Stage:
         out = Output()
         raw_out = _ffi.new("meshnet_output *")
         if self.is_tail:
-            out.greedy = np.zeros(max(n_entries, 1), dtype=np.int32)
-            raw_out.greedy = _ffi.from_buffer("int32_t[]", out.greedy)
+            out.token = np.zeros(max(n_entries, 1), dtype=np.int32)
+            raw_out.token = _ffi.from_buffer("int32_t[]", out.token)
             if want_logits:
                 out.logits = np.empty((max(n_entries, 1), self.n_vocab), dtype=np.float32)
                 raw_out.logits = _ffi.from_buffer("float[]", out.logits)
@@ -347,3 +363,25 @@ class Stage:
 
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.meshnet_token_is_eog(self._live(), token))
+
+    def chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str:
+        """The model's own chat template (from the GGUF, applied by llama.cpp) over
+        [{"role": ..., "content": ...}, ...]."""
+        keep, raw = [], _ffi.new("meshnet_chat_message[]", max(len(messages), 1))
+        for i, message in enumerate(messages):
+            for field in ("role", "content"):
+                value = message.get(field) if isinstance(message, dict) else None
+                if not isinstance(value, str):
+                    raise MeshnetError(errors.INVALID_ARGUMENT, f"message {i} has no {field} text")
+                keep.append(_ffi.new("char[]", utf8_or_error(value, f"message {i}'s {field}")))
+                setattr(raw[i], field, keep[-1])
+        n = _ffi.new("int32_t *")
+        capacity = 2 * sum(len(m["content"]) + len(m["role"]) for m in messages) + 256
+        while True:
+            buf = _ffi.new("char[]", capacity)
+            status = self._lib.meshnet_chat_template(self._live(), raw, len(messages), add_assistant, buf, capacity, n)
+            if STATUS_CODES.get(status) == errors.BUFFER_TOO_SMALL:
+                capacity = n[0]
+                continue
+            self._check(status)
+            return _ffi.buffer(buf, n[0])[:].decode(errors="replace")

@@ -61,6 +61,7 @@ TOO_MANY_SESSIONS = _code("too_many_sessions", 5, "a stage already holds as many
 UNKNOWN_SESSION = _code("unknown_session", 5, "a session id the stage does not hold")
 CANCELLED = _code("cancelled", 5, "the session was cancelled by its caller")
 BAD_PAYLOAD = _code("bad_payload", 5, "a payload (residual, logits, token ids) that is missing, mis-sized or not finite")
+NO_CHAT_TEMPLATE = _code("no_chat_template", 5, "a model without a chat template llama.cpp knows: give raw text instead")
 BAD_KEY = _code("bad_key", 5, "a data message without the session's token")
 
 # 1: the protocol's refusals of a message, and what should never happen

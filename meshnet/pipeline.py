@@ -23,6 +23,7 @@ from .engine import Entry, Stage
 from .errors import MeshnetError
 from .generation import FeedHead, Generation, StopRule, Token
 from .layers import LayerRange
+from .sampling import Sampling
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Request:
     keep_logits: bool = False
     stop_at_eog: bool = True
     on_token: Callable[[int], None] | None = None
+    sampling: Sampling | None = None    # None: the most likely token
 
 
 @dataclass
@@ -116,9 +118,9 @@ class LocalPipeline:
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, *, keep_logits: bool = False,
                  stop_at_eog: bool = True, prefill_chunk: int | None = None,
-                 on_token: Callable[[int], None] | None = None) -> Completion:
-        """One session, greedy; a failure raises its MeshnetError."""
-        done = self.generate_many([Request(prompt_tokens, max_tokens, keep_logits, stop_at_eog, on_token)],
+                 on_token: Callable[[int], None] | None = None, sampling: Sampling | None = None) -> Completion:
+        """One session (greedy unless sampling says otherwise); a failure raises its MeshnetError."""
+        done = self.generate_many([Request(prompt_tokens, max_tokens, keep_logits, stop_at_eog, on_token, sampling)],
                                   prefill_chunk=prefill_chunk)[0]
         if done.error is not None:
             raise done.error
@@ -139,6 +141,7 @@ class LocalPipeline:
                 for stage in self.stages:
                     stage.open_session(run.sid)
                 running.append(run)
+                self.tail.set_sampling(run.sid, request.sampling, request.prompt_tokens)
             for run in running:
                 self._act(run, run.gen.opened(), waiting)
             while any(waiting):

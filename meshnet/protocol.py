@@ -25,8 +25,9 @@ import numpy as np
 
 from . import errors as E
 from .errors import MeshnetError
+from .sampling import Sampling
 
-VERSION = 1
+VERSION = 2   # 2: sampling and history in OPEN, TEMPLATE
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -42,6 +43,7 @@ SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
 ASSIGN = "assign"          # coordinator -> a worker started with --layers auto: load this range
 TOKENIZE = "tokenize"      # coordinator -> worker: text -> token ids, as llama.cpp does for the model
 DETOKENIZE = "detokenize"  # coordinator -> worker: token ids -> text
+TEMPLATE = "template"      # coordinator -> worker: chat messages -> the prompt text, by the model's chat template
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane
@@ -110,6 +112,19 @@ def _seams(v):
                                   and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
 
 
+def _sampling(v):
+    try:
+        Sampling.from_wire(v)
+        return True
+    except MeshnetError:
+        return False
+
+
+def _messages(v):
+    return 0 < len(v) <= 4096 and all(isinstance(m, dict) and set(m) == {"role", "content"}
+                                      and all(isinstance(x, str) for x in m.values()) for m in v)
+
+
 def _endpoint(v):
     return 0 < len(v) <= 256 and "://" in v
 
@@ -152,6 +167,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
         "next_key": (STR, False, _curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
         "prev_key": (STR, False, _curve_key),      # ... and the previous stage's, which may push to this one
+        "sampling": (DICT, False, _sampling),      # the tail: sample with these (meshnet.sampling.Sampling) ...
+        "history": (LIST, False, _tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
     },
     CANCEL: {"sid": (INT, True, _u64)},
     RELEASE: {"sid": (INT, True, _u64)},
@@ -159,6 +176,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     ASSIGN: {"layers": (LIST, True, _range)},
     TOKENIZE: {"text": (STR, True, None), "add_special": (BOOL, False, None), "parse_special": (BOOL, False, None)},
     DETOKENIZE: {"tokens": (LIST, True, _tokens)},
+    TEMPLATE: {"messages": (LIST, True, _messages), "add_generation_prompt": (BOOL, False, None)},
     OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
     ERROR: {
         "code": (STR, True, None),

@@ -28,6 +28,7 @@ from .errors import MeshnetError
 from .generation import StopRule, tail_step
 from . import security
 from .metrics import percentiles
+from .sampling import Sampling
 from .security import Gatekeeper, KeyPair
 
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
@@ -256,7 +257,19 @@ class StageLoop(threading.Thread):
                 raise MeshnetError(E.BAD_FIELD, "open: a stage serving CURVE needs the keys of its neighbours "
                                    "(next_key, prev_key)")
             self.curve.gatekeeper.allow(m["prev_key"].encode())
+        sampling = Sampling.from_wire(m["sampling"]) if m.get("sampling") is not None else None
+        history = m.get("history")
+        if sampling is not None and not self.info.is_tail:
+            raise MeshnetError(E.BAD_FIELD, "open: sampling is the tail's: this stage comes before it")
+        if sampling is not None and (history is None or len(history) != m["prompt_len"]):
+            raise MeshnetError(E.BAD_FIELD, f"open: sampling needs the prompt's {m['prompt_len']} tokens as history, "
+                               f"got {None if history is None else len(history)}")
         self.stage.open_session(job.sid)
+        try:
+            self.stage.set_sampling(job.sid, sampling, history or ())
+        except MeshnetError:
+            self.stage.release_session(job.sid)
+            raise
         self.sessions[job.sid] = StageSession(
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
@@ -304,6 +317,10 @@ class StageLoop(threading.Thread):
 
     def _do_detokenize(self, job: Job) -> None:
         self._reply(job, P.encode(P.OK, job.rid, info={"text": self.stage.detokenize(job.msg["tokens"])}))
+
+    def _do_template(self, job: Job) -> None:
+        text = self.stage.chat_template(job.msg["messages"], job.msg.get("add_generation_prompt", True))
+        self._reply(job, P.encode(P.OK, job.rid, info={"text": text}))
 
     # ---- the data plane ------------------------------------------------------------------
 

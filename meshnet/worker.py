@@ -73,7 +73,7 @@ class WorkerConfig:
 
 
 # which bound each stage-loop job counts against (see StageWorker._queue)
-QUEUE_OF = {"tokenize": "text", "detokenize": "text"}
+QUEUE_OF = {"tokenize": "text", "detokenize": "text", "template": "text"}
 
 
 def reachable(endpoint: str, coordinator: str) -> str:
@@ -157,6 +157,7 @@ class StageWorker:
             P.SHUTDOWN: self._shutdown,
             P.TOKENIZE: self._tokenize,
             P.DETOKENIZE: self._detokenize,
+            P.TEMPLATE: self._template,
             P.ASSIGN: self._assign,
         }
 
@@ -429,6 +430,10 @@ class StageWorker:
     def _detokenize(self, msg: P.Message) -> None:
         self._stage_loop()
         self._queue("text", Job("detokenize", msg.rid, self.epoch, msg=msg))
+
+    def _template(self, msg: P.Message) -> None:
+        self._stage_loop()
+        self._queue("text", Job("template", msg.rid, self.epoch, msg=msg))
 
     def _shutdown(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid))

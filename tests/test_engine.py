@@ -97,7 +97,7 @@ def test_tail_with_tied_embeddings_holds_token_embd_as_output(smollm2_path):
 
 def _step(pipe, session, pos, tokens):
     out = pipe.forward([Entry(session, pos, tokens=np.asarray(tokens, dtype=np.int32))])
-    return int(out.greedy[0]), out.logits[0].copy()
+    return int(out.token[0]), out.logits[0].copy()
 
 
 def test_interleaved_sessions_match_each_alone_and_release_frees_kv(smollm2_path):
@@ -143,14 +143,14 @@ def test_sessions_batched_in_one_forward_call_match_each_alone(smollm2_path):
         for sid in range(4):
             pipe.open_session(sid)
         out = pipe.forward([Entry(sid, 0, tokens=np.array(prompt_tokens[sid])) for sid in range(4)])
-        got = [[int(g)] for g in out.greedy]
+        got = [[int(g)] for g in out.token]
         diffs = [float(np.abs(out.logits[sid] - alone[sid].logits[0]).max()) for sid in range(4)]
         pos = [len(t) for t in prompt_tokens]
         for step in range(1, 10):
             out = pipe.forward([Entry(sid, pos[sid], tokens=np.array([got[sid][-1]])) for sid in range(4)])
             for sid in range(4):
                 diffs.append(float(np.abs(out.logits[sid] - alone[sid].logits[step]).max()))
-                got[sid].append(int(out.greedy[sid]))
+                got[sid].append(int(out.token[sid]))
                 pos[sid] += 1
         assert got == [a.tokens for a in alone]
         assert max(diffs) == 0.0
@@ -232,7 +232,7 @@ def _still_works(head, tail):
     out = tail.forward([Entry(99, 0, residual=residual)])
     head.release_session(99)
     tail.release_session(99)
-    return int(out.greedy[0])
+    return int(out.token[0])
 
 
 def _expect(code, fn, *args, **kwargs):

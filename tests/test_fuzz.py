@@ -122,6 +122,14 @@ SPECIAL = {
     "info": [None, [], "x", {"tokens": [True]}],
     "piece": ["str", None, 1, b"\xff" * 1000],
     "capability": [None, [], "x", {}, {"layers": "all of them"}],
+    "sampling": [None, [], "x", {}, {"temperature": -1}, {"temperature": NAN}, {"top_p": 2}, {"seed": -1},
+                 {"seed": 2**63}, {"top_k": True}, {"repeat_penalty": 0}, {"penalty_last_n": -2}, {"frobnicate": 1},
+                 {"temperature": 0.8, "seed": 42}, {"temperature": 1e6}],
+    "history": [None, [], [-1], [N_VOCAB], [True], list(range(1000)), "abc", [1.0]],
+    "messages": [None, [], "hi", [{}], [{"role": "user"}], [{"role": 1, "content": "x"}],
+                 [{"role": "user", "content": "x", "name": "y"}], [{"role": "user", "content": "é" * 3000}] * 20,
+                 [{"role": "user", "content": "\x00"}], [{"role": "user", "content": "x"}] * 5000],
+    "add_generation_prompt": [1, "yes", None],
 }
 
 # READY capability fields the coordinator builds a route from, and values no worker can mean
@@ -502,6 +510,7 @@ def coordinator_templates(real_capability: dict, live_sids: list) -> tuple[dict,
         "capability": lambda rng: ({}, None),
         "tokenize": lambda rng: ({"text": "hello"}, None),
         "detokenize": lambda rng: ({"tokens": [1, 2, 3]}, None),
+        "template": lambda rng: ({"messages": [{"role": "user", "content": "hi"}]}, None),
         "shutdown": lambda rng: ({}, None),
         "disconnect": lambda rng: ({}, None),
         # the data plane's messages on the control socket
@@ -638,9 +647,9 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
             if batch_no == CUT_BATCH:
                 # past each socket's own limit (twice max_payload): zmq drops the connection; the
                 # control peer reconnects, the data PUSH is replaced (and nothing it sent is counted)
-                peer.sock.send_multipart([fuzz.pack({"v": 1, "type": "heartbeat", "rid": 1}),
+                peer.sock.send_multipart([fuzz.pack({"v": P.VERSION, "type": "heartbeat", "rid": 1}),
                                           bytes(2 * COORDINATOR_MAX_PAYLOAD + 1)])
-                push.send_multipart([fuzz.pack({"v": 1, "type": "token", "rid": 0}),
+                push.send_multipart([fuzz.pack({"v": P.VERSION, "type": "token", "rid": 0}),
                                      bytes(2 * COORDINATOR_MAX_PAYLOAD + 1)])
                 retired.append(push)
                 pushes[pushes.index(push)] = push_socket(ctx, coordinator.data_endpoint)
@@ -876,6 +885,12 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
             header["logits"] = rng.random() < 0.5
         if rng.random() < 0.3:
             header["hop_clock"] = rng.random() < 0.5
+        if rng.random() < 0.2:   # the tail's sampler, with the prompt as its history (or not quite)
+            header["sampling"] = rng.choice([{"temperature": 0.8, "top_p": 0.95, "seed": rng.randrange(2**64)},
+                                             {"temperature": 1.0, "repeat_penalty": 1.3, "penalty_last_n": -1}, {}])
+            if rng.random() < 0.8:
+                n = header["prompt_len"] + rng.choice([0, 0, 0, 1, -1])
+                header["history"] = [rng.randrange(N_VOCAB) for _ in range(max(n, 0))]
         if rng.random() < 0.1:   # the neighbours' CURVE keys, as a keyed route gives them, to a keyless stage
             header["next_key"] = rng.choice(["0" * 40, "x" * 39, "é" * 40, ";" * 40])
             header["prev_key"] = rng.choice(["0" * 40, ""])
@@ -929,6 +944,10 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
         "tokenize": lambda rng: ({"text": rng.choice(["hello", "<|im_start|>hi", "é" * 50, ""]),
                                   "add_special": rng.random() < 0.5, "parse_special": rng.random() < 0.5}, None),
         "detokenize": lambda rng: ({"tokens": rng.choice([[1, 2, 3], [49151], [N_VOCAB], [-1], [0] * 100])}, None),
+        "template": lambda rng: ({"messages": rng.choice([[{"role": "user", "content": "hi"}],
+                                                          [{"role": "system", "content": "é" * 100},
+                                                           {"role": "nobody", "content": ""}]]),
+                                  "add_generation_prompt": rng.random() < 0.5}, None),
         # a range for a worker that holds one already (only --layers auto workers take one)
         "assign": lambda rng: ({"layers": rng.choice([[0, 15], [15, 30], [0, 1 << 19], [29, 30], [5, 4]])}, None),
         # the wrong direction: what a worker sends, sent to a worker
@@ -1100,7 +1119,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
                 sent["control"] += 1
             if batch_no == CUT_BATCH and not hung:
                 # past the data socket's own limit: ZeroMQ drops that connection; a new one is made
-                router.send_data([fuzz.pack({"v": 1, "type": "act", "rid": 0}), bytes(3 * WORKER_MAX_PAYLOAD)])
+                router.send_data([fuzz.pack({"v": P.VERSION, "type": "act", "rid": 0}), bytes(3 * WORKER_MAX_PAYLOAD)])
                 router.connect_data()
             router.drain()
             t0 = time.monotonic()
@@ -1149,7 +1168,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             # last, a frame past the worker socket's own limit: ZeroMQ drops that connection
             # (a protocol error, which libzmq never reconnects by itself); the worker must
             # find its coordinator again, within its liveness window plus a reconnect
-            router.send([fuzz.pack({"v": 1, "type": "heartbeat", "rid": 1}), bytes(5 * WORKER_MAX_PAYLOAD)])
+            router.send([fuzz.pack({"v": P.VERSION, "type": "heartbeat", "rid": 1}), bytes(5 * WORKER_MAX_PAYLOAD)])
             if not router.drain(bound=REJOIN_BOUND_S, until_new_identity=True):
                 replies.violate("cut off", f"the worker did not reconnect within {REJOIN_BOUND_S} s after ZeroMQ "
                                 "dropped its connection over a message past its size limit")

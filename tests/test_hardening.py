@@ -291,7 +291,7 @@ def test_the_engine_refuses_non_finite_residuals_and_keeps_the_session_where_it_
             tail.forward([Entry(1, 0, residual=bad)])
         assert err.value.code == "bad_payload"
         assert tail.session_length(1) == 0
-        assert int(tail.forward([Entry(1, 0, residual=residual)], want_logits=False).greedy[0]) == expected[0]
+        assert int(tail.forward([Entry(1, 0, residual=residual)], want_logits=False).token[0]) == expected[0]
 
 
 # 9. error replies are always protocol-valid
@@ -304,10 +304,10 @@ def test_error_replies_never_echo_an_invalid_session_id(smollm2_path, fake_coord
         fake = fake_coordinator
         fake.wait_ready()
         for msg_type in (P.OPEN, P.RELEASE, P.CANCEL):
-            reply = fake.reply_to([msgpack.packb({"v": 1, "type": msg_type, "rid": 77, "sid": sid})])
+            reply = fake.reply_to([msgpack.packb({"v": P.VERSION, "type": msg_type, "rid": 77, "sid": sid})])
             assert reply.type == P.ERROR and reply["code"] == "bad_field" and "sid" not in reply.fields
         # on the data plane there is no one to answer: the message is dropped and counted
-        fake.send_data([msgpack.packb({"v": 1, "type": P.ACT, "rid": 0, "sid": sid, "key": 1, "pos": 0, "n": 1,
+        fake.send_data([msgpack.packb({"v": P.VERSION, "type": P.ACT, "rid": 0, "sid": sid, "key": 1, "pos": 0, "n": 1,
                                        "tokens": [1]})])
         assert wait_until(lambda: fake.request(P.HEALTH)["info"]["dropped"].get("bad_field") == 1)
     finally:
@@ -320,7 +320,7 @@ def test_the_coordinator_answers_invalid_session_ids_with_valid_errors():
         peer = FakeWorker(coordinator.endpoint)
         try:
             for sid in (True, -1, -(2 ** 63)):
-                peer.send([msgpack.packb({"v": 1, "type": "open", "rid": 5, "sid": sid})])
+                peer.send([msgpack.packb({"v": P.VERSION, "type": "open", "rid": 5, "sid": sid})])
                 reply = peer.recv()  # decoded: protocol-valid
                 assert reply.type == P.ERROR and "sid" not in reply.fields
             assert coordinator._thread.is_alive()

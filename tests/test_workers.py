@@ -272,9 +272,9 @@ def test_malformed_messages_at_the_worker_get_structured_errors_and_it_keeps_ser
             assert msg["message"]
 
         bad([os.urandom(64)], "malformed")
-        bad([msgpack.packb({"v": 1, "type": "open", "rid": 5})[:-3]], "malformed")
+        bad([msgpack.packb({"v": P.VERSION, "type": "open", "rid": 5})[:-3]], "malformed")
         bad([msgpack.packb({"v": 99, "type": "health", "rid": 5})], "bad_version")
-        bad([msgpack.packb({"v": 1, "type": "make_coffee", "rid": 6})], "unknown_type")
+        bad([msgpack.packb({"v": P.VERSION, "type": "make_coffee", "rid": 6})], "unknown_type")
         bad(P.encode(P.ACT, 7, sid=7, key=KEY, pos=0, n=1, tokens=[1]), "unknown_type")  # data goes to the data socket
         bad(P.encode(P.OPEN, 8, sid=9, key=1, stage=1, next="nowhere", reply=fake.data_endpoint, prompt_len=1,
                      max_tokens=1, stop_at_eog=True), "bad_field")
@@ -326,9 +326,9 @@ def test_malformed_messages_at_the_coordinator_get_structured_errors_and_it_keep
                 assert msg.type == P.ERROR and msg["code"] == code, msg
 
             bad([os.urandom(100)], "malformed")
-            bad([msgpack.packb({"v": 1, "type": "ready", "rid": 1})[:-2]], "malformed")
-            bad([msgpack.packb({"v": 2, "type": "ready", "rid": 1})], "bad_version")
-            bad([msgpack.packb({"v": 1, "type": "teleport", "rid": 2})], "unknown_type")
+            bad([msgpack.packb({"v": P.VERSION, "type": "ready", "rid": 1})[:-2]], "malformed")
+            bad([msgpack.packb({"v": P.VERSION + 1, "type": "ready", "rid": 1})], "bad_version")
+            bad([msgpack.packb({"v": P.VERSION, "type": "teleport", "rid": 2})], "unknown_type")
             bad(P.encode(P.READY, 3, capability={"layers": "all of them"}), "bad_field")
             bad([P.encode(P.HEARTBEAT, 4)[0], b"\0" * (5 << 20)], "oversized")
             bad(P.encode(P.ACT, 5, sid=1, key=1, pos=0, n=1, tokens=[1]), "unknown_type")
