@@ -75,28 +75,68 @@ def _nodes(ctx, param, values):
         raise click.BadParameter(e.message) from None
 
 
+def _sampling_options(command):
+    """llama.cpp's sampler chain at the tail (meshnet/sampling.py); with none of them, greedy."""
+    options = [
+        click.option("--temperature", type=float, default=None, help="0 is greedy [default: 0]"),
+        click.option("--top-p", type=float, default=None, help="nucleus sampling; 1 is off [default: 1]"),
+        click.option("--top-k", type=int, default=None, help="0 is off [default: 0]"),
+        click.option("--min-p", type=float, default=None, help="0 is off [default: 0]"),
+        click.option("--repeat-penalty", type=float, default=None, help="1 is off [default: 1]"),
+        click.option("--seed", type=int, default=None,
+                     help="the same seed gives the same tokens [default: a fresh one per answer with --temperature]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _sampling(flags: dict):
+    """The Sampling the flags given make (None: greedy), and whether --seed was given.
+    Values out of range are a bad command line."""
+    from .sampling import Sampling
+
+    given = {name: value for name, value in flags.items() if value is not None}
+    if not given:
+        return None, False
+    try:
+        return Sampling(**given), "seed" in given
+    except MeshnetError as e:
+        raise click.BadParameter(e.message, param_hint="--" + e.context.get("field", "").replace("_", "-")) from None
+
+
 @main.command()
 @click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
 @click.option("--split", "split", default=None, callback=_usage_error(parse_seams),
               help="seams, e.g. 15 for [0,15)+[15,n) or 10,20 for three stages")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True, help="raw text, tokenized as llama.cpp does for the model")
+@click.option("--chat", "chat_message", default=None,
+              help="instead of continuing --prompt, answer this user message through the model's chat template")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens")
 @click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
 @click.option("--secure", is_flag=True, help="CURVE on every link between the coordinator and its workers, with fresh keys")
-def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as_json, secure):
-    """Generate greedily from PROMPT with the model split into stages (worker processes on this machine)."""
+@_sampling_options
+def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure,
+        **sampling_flags):
+    """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
+    from .chat import answer_sampling
     from .gguf_layout import read_layout
     from .engine import utf8_or_error
     from .layers import ranges_from_seams
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
+    if chat_message is not None and click.get_current_context().get_parameter_source("prompt").name == "COMMANDLINE":
+        raise click.UsageError("give --prompt (raw text to continue) or --chat (a message to answer), not both")
+    sampling = answer_sampling(*_sampling(sampling_flags))
     try:
         utf8_or_error(prompt, "--prompt")  # at once, before any model or worker starts
+        if chat_message is not None:
+            utf8_or_error(chat_message, "--chat")
         path, sha256 = models.resolve(model)
         layout = read_layout(path)
         ranges = (
@@ -104,18 +144,21 @@ def run(model, stages, split, prompt, max_tokens, threads, n_ctx, in_process, as
             if split is not None
             else layout.balanced_ranges(stages or 2)
         )
-        stream = None if as_json else _TextStreamer(prompt)
         if in_process and secure:
             raise click.UsageError("--secure is for worker processes; --in-process has no links to secure")
+        stream = None if as_json else _TextStreamer(prompt if chat_message is None else "")
         if in_process:
-            tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream)
+            tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
+                                                                 chat_message=chat_message, sampling=sampling)
         else:
             tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
-                                                                 secure)
+                                                                 secure, chat_message=chat_message, sampling=sampling)
     except MeshnetError as e:
         _fail(e)
 
     metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process, curve=secure)
+    if sampling is not None:
+        metrics["sampling"] = sampling.to_wire()   # with its seed: the run can be replayed
     if as_json:
         click.echo(json.dumps({"tokens": tokens, "text": text, "metrics": metrics}))
         return
@@ -137,25 +180,34 @@ def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
         raise MeshnetError(errors.CONTEXT_FULL, f"{n_prompt} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
 
 
-def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream):
+def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, chat_message=None, sampling=None):
     from .pipeline import LocalPipeline
 
     with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
-        prompt_tokens = pipe.head.tokenize(prompt)
+        if chat_message is None:
+            prompt_tokens = pipe.head.tokenize(prompt)
+        else:   # as the workers' head does it (meshnet/chat.py prompt_tokens)
+            text = pipe.head.chat_template([{"role": "user", "content": chat_message}])
+            prompt_tokens = pipe.head.tokenize(text, add_special=True, parse_special=True)
         _check_context(len(prompt_tokens), max_tokens, n_ctx)
         on_token = (lambda t: stream(pipe.tail.detokenize_bytes([t]))) if stream else None
-        gen = pipe.generate(prompt_tokens, max_tokens, on_token=on_token)
+        gen = pipe.generate(prompt_tokens, max_tokens, on_token=on_token, sampling=sampling)
         return gen.tokens, pipe.tail.detokenize(gen.tokens), gen.metrics, gen.stop_reason
 
 
-def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False):
+def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
+                    sampling=None):
+    from .chat import prompt_tokens as chat_tokens
     from .cluster import LocalCluster
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure) as cluster:
         coordinator = cluster.coordinator
-        prompt_tokens = coordinator.tokenize(prompt)
+        if chat_message is None:
+            prompt_tokens = coordinator.tokenize(prompt)
+        else:
+            prompt_tokens = chat_tokens(coordinator, [{"role": "user", "content": chat_message}])
         _check_context(len(prompt_tokens), max_tokens, n_ctx)
-        session = coordinator.generate(prompt_tokens, max_tokens)
+        session = coordinator.generate(prompt_tokens, max_tokens, sampling=sampling)
         for event in session:
             if stream:
                 stream(event.piece)
@@ -176,6 +228,53 @@ class _TextStreamer:
 
     def finish(self) -> None:
         click.echo(self.decoder.decode(b"", final=True))
+
+
+@main.command()
+@click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True,
+              help="context tokens: the conversation's oldest turns leave it when it is full")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="tokens per answer at most")
+@click.option("--system", default=None, help="a system message that opens the conversation (and stays in it)")
+@_sampling_options
+def chat(model, stages, threads, n_ctx, max_tokens, system, **sampling_flags):
+    """Talk with the model split into stages (worker processes on this machine), through its own chat template.
+
+    Ctrl-C stops an answer, Ctrl-D quits."""
+    from .chat import Chat
+    from .cluster import LocalCluster
+    from .engine import utf8_or_error
+    from .gguf_layout import read_layout
+
+    if max_tokens >= n_ctx:
+        raise click.UsageError(f"--max-tokens {max_tokens} leaves no room for the conversation within --ctx {n_ctx}")
+    sampling, seed_given = _sampling(sampling_flags)
+    try:
+        if system is not None:
+            utf8_or_error(system, "--system")
+        path, _ = models.resolve(model)
+        ranges = read_layout(path).balanced_ranges(stages or 2)
+        with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
+            click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
+                       f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
+                       f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "
+                       f"{max_tokens} tokens. Ctrl-C stops an answer, Ctrl-D quits.", err=True)
+            _readline_if_terminal()
+            Chat(cluster.coordinator, n_ctx=n_ctx, max_tokens=max_tokens, sampling=sampling, seed_given=seed_given,
+                 system=system).run()
+    except MeshnetError as e:
+        _fail(e)
+
+
+def _readline_if_terminal() -> None:
+    """Line editing and the up-arrow history for input(), in a terminal."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (input() uses it once imported)
+        except ImportError:
+            pass
 
 
 @main.command()
@@ -486,6 +585,53 @@ def plan(model, nodes, n_ctx, sessions, overhead, as_json):
                    f"{format_size(admitted[stage.node]):>12}")
     for name, why in result.left_out.items():
         click.echo(f"{name:<16} {'-':<10} left out: {why}")
+
+
+@main.command()
+@click.option("--model", default=None, help="model name or GGUF path; clients ask for it by its name (a path's file "
+                                            "stem) [default: smollm2]")
+@click.option("--host", default="127.0.0.1", show_default=True, help="the HTTP address (loopback unless you say otherwise)")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True, help="0: a free port")
+@click.option("--api-key", envvar="MESHNET_API_KEY", default=None,
+              help="clients must send 'Authorization: Bearer KEY' on /v1 [env: MESHNET_API_KEY]")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="local workers: N stages [default: 2]")
+@click.option("--threads", type=click.IntRange(min=0), default=None, help="local workers: threads per stage [default: one per core]")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None, help="local workers: context tokens per session [default: 2048]")
+@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=None,
+              help="local workers: sessions at once; beyond them a request gets 429 [default: 8]")
+@click.option("--coordinator", "bind", default=None,
+              help="instead of local workers, bind a coordinator here (e.g. tcp://0.0.0.0:5555) and serve through the "
+                   "meshnet workers that connect to it")
+@click.option("--secret", "secret_file", default=None, help="with --coordinator: its CURVE key (NAME.key_secret)")
+@click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
+@click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key (--host)")
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure):
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
+    from . import security
+    from .serve import listen
+    from .serve import serve as run_server
+
+    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions}
+    if bind is not None and any(v is not None for v in local.values()):
+        raise click.UsageError(f"{next(k for k, v in local.items() if v is not None)} is for local workers: with "
+                               "--coordinator, give it to each meshnet worker")
+    if (secret_file is None) != (allow_path is None) or (secret_file is not None and bind is None):
+        raise click.UsageError("--secret and --allow go together, with --coordinator")
+    if bind is not None:
+        _refuse_open_without_keys("--coordinator", bind, secret_file, insecure)
+    if api_key is None and not security.is_loopback(f"tcp://{host}:{port}"):
+        if not insecure:
+            raise click.UsageError(f"--host {host} is reachable beyond this machine and no --api-key is given: anyone "
+                                   "could use the model. Give --api-key (or MESHNET_API_KEY), or --insecure")
+        click.echo(f"WARNING: --host {host} without --api-key (--insecure): anyone who can reach it can use it", err=True)
+    try:
+        options = {"keys": security.load_secret(secret_file),
+                   "allowed_workers": security.load_allowed(allow_path)} if secret_file else {}
+        run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
+                   stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or 2048, max_sessions=max_sessions or 8,
+                   echo=lambda line: click.echo(line, err=True))
+    except MeshnetError as e:
+        _fail(e)
 
 
 @main.command()

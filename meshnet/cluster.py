@@ -30,7 +30,12 @@ STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the r
 STDERR_TAIL_LINES = 12
 
 
-def _die_with_parent() -> None:
+def _worker_child() -> None:
+    """In a local worker, before exec: it dies with its parent, and a Ctrl-C in the
+    terminal (sent to the whole foreground process group) is the parent's to act on: an
+    interrupted chat answer must not take the workers with it, and the parent stops them
+    itself (SIGTERM) when it ends. An ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -97,7 +102,7 @@ def start_auto_worker(coordinator: str, model_path: str, mem: int, *, threads: i
     args = [sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", coordinator, "--model", str(model_path),
             "--layers", "auto", "--mem", str(mem), "--threads", str(threads), "--ctx", str(n_ctx),
             "--max-sessions", str(max_sessions), *extra]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_worker_child)
 
 
 def _layer_range(layers: LayerRange | tuple[int, int]) -> LayerRange:
@@ -168,7 +173,7 @@ class LocalCluster:
                      "--coordinator-key", str(keys / "coordinator.key")]
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_die_with_parent)
+                                   stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_worker_child)
         self.processes[layers.as_tuple()] = process
         if not self.worker_log:
             self.stderr_tails[layers.as_tuple()] = StderrTail(process.stderr, echo=True)
