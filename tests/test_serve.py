@@ -214,13 +214,16 @@ def open_stream(url, max_tokens=400):
 
 
 def test_a_client_that_goes_away_mid_stream_frees_its_session_on_every_stage(client, server):
+    wait_until_idle(server)   # the sessions of the tests before are released on every stage
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
                                             max_tokens=400, stream=True)
-    for _, chunk in zip(range(3), stream):
-        pass
-    busy = health(server)
-    assert busy["sessions"] == 1 and all(s["n_sessions"] == 1 and s["kv_bytes_used"] > 0 for s in busy["stages"])
-    stream.close()   # the openai client drops the connection
+    try:
+        for _, chunk in zip(range(3), stream):
+            pass
+        busy = health(server)
+        assert busy["sessions"] == 1 and all(s["n_sessions"] == 1 and s["kv_bytes_used"] > 0 for s in busy["stages"]), busy
+    finally:
+        stream.close()   # the openai client drops the connection
     wait_until_idle(server)
     # not streaming: a client that stops waiting for the answer frees its session too
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -238,8 +241,10 @@ def test_a_client_that_goes_away_mid_stream_frees_its_session_on_every_stage(cli
 
 
 def test_beyond_the_session_slots_a_request_gets_429_with_retry_after(client, server):
-    held = [open_stream(server) for _ in range(SLOTS)]
+    wait_until_idle(server)
+    held = []
     try:
+        held += [open_stream(server) for _ in range(SLOTS)]
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
         assert refused.value.status_code == 429 and refused.value.response.headers["retry-after"] == "1"
