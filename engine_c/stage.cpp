@@ -442,9 +442,14 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 format("a forward call of %lld rows is larger than the stage's n_batch of %d", (long long) n_rows, info.n_batch));
     }
 
-    // rows go into the batch in sequence order: with a KV stream per session, llama.cpp
-    // puts sessions in one micro-batch only when their sequence ids follow each other in
-    // the batch (0, 1, 2, ...); in any other order each session would be computed alone
+    // Each entry is computed exactly as it would be alone. With a KV stream per session,
+    // llama.cpp cuts a batch of several sessions into micro-batches holding as many rows
+    // of each (split_equal): a prompt chunk beside a decode step would run as a 1-row and
+    // an (n-1)-row micro-batch, whose floats differ from the whole chunk's (0.6 in a logit
+    // on SmolLM2, enough to change a sampled token). So the one-row entries (decode steps)
+    // share a call, each longer entry has a call of its own, and within a call rows go in
+    // sequence order (llama.cpp puts sessions in one micro-batch only when their sequence
+    // ids follow each other).
     std::vector<int32_t> order(n_entries);
     for (int32_t i = 0; i < n_entries; ++i) {
         order[i] = i;
@@ -452,91 +457,104 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
         return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
     });
-    llama_batch_ext_clear(stage->batch);
-    std::vector<int32_t> first_row(n_entries), last_row(n_entries);
+    std::vector<std::vector<int32_t>> calls(1);
     for (const int32_t i : order) {
-        const meshnet_entry & e = entries[i];
-        const llama_seq_id seq = stage->seq_of(stage->find(e.session_id));
-        for (int32_t t = 0; t < e.n_tokens; ++t) {
-            const int32_t idx = info.is_head
-                ? llama_batch_ext_add_token(stage->batch, seq, e.tokens[t])
-                : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.n_embd, 1, (size_t) info.n_embd });
-            if (idx < 0) {
-                return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
-            }
-            const llama_pos pos = e.pos + t;
-            llama_batch_ext_set_pos(stage->batch, idx, &pos);
-            if (t == 0) {
-                first_row[i] = idx;
-            }
-            last_row[i] = idx;
-        }
-        if (info.is_tail) {
-            llama_batch_ext_set_output_logits(stage->batch, last_row[i], true);
+        if (entries[i].n_tokens == 1) {
+            calls[0].push_back(i);
+        } else {
+            calls.push_back({ i });
         }
     }
-
-    stage->abort_requested.store(false);
-    const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
-    // a failed, aborted or refused batch may have left some rows in the KV cache: drop them,
-    // so that each session can go on from where it was
+    std::vector<int64_t> out_at(n_entries);   // an entry's first residual row in the output: entry order
+    for (int32_t i = 0, at = 0; i < n_entries; at += entries[i].n_tokens, ++i) {
+        out_at[i] = at;
+    }
+    // a failed, aborted or refused call may have left rows in the KV cache, and the calls
+    // before it theirs: drop them all, so that each session goes on from where it was
     auto roll_back = [&]() {
         llama_memory_t mem = llama_get_memory(stage->ctx);
         for (int32_t i = 0; i < n_entries; ++i) {
             llama_memory_seq_rm(mem, stage->seq_of(stage->find(entries[i].session_id)), entries[i].pos, -1);
         }
     };
-    if (rc != 0) {
-        roll_back();
-        if (rc == 2) {
-            return stage->fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
+    std::vector<int32_t> sampled(n_entries, -1);   // joins its session's history once every call has succeeded
+    std::vector<int32_t> first_row(n_entries), last_row(n_entries);
+    for (const std::vector<int32_t> & call : calls) {
+        if (call.empty()) {
+            continue;
         }
-        if (rc == 1) {
-            return stage->fail(MESHNET_ERR_CONTEXT_FULL, "no room in the KV cache for this batch");
-        }
-        return stage->fail(MESHNET_ERR_DECODE, format("llama.cpp failed to compute the batch (code %d): %s",
-                    rc, trimmed(tl_llama_errors).c_str()));
-    }
-
-    if (info.is_tail) {
-        for (int32_t i = 0; i < n_entries; ++i) {
-            const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
-            if (!logits) {
-                roll_back();
-                return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
-            }
-            // one pass over the vocabulary: the most likely token, and no non-finite logit
-            int32_t best = 0;
-            for (int32_t v = 0; v < info.n_vocab; ++v) {
-                if (!std::isfinite(logits[v])) {
+        llama_batch_ext_clear(stage->batch);
+        for (const int32_t i : call) {
+            const meshnet_entry & e = entries[i];
+            const llama_seq_id seq = stage->seq_of(stage->find(e.session_id));
+            for (int32_t t = 0; t < e.n_tokens; ++t) {
+                const int32_t idx = info.is_head
+                    ? llama_batch_ext_add_token(stage->batch, seq, e.tokens[t])
+                    : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.n_embd, 1, (size_t) info.n_embd });
+                if (idx < 0) {
                     roll_back();
-                    return stage->fail(MESHNET_ERR_BAD_VALUE,
-                            format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
-                                   i, (double) logits[v], v));
+                    return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
                 }
-                if (logits[v] > logits[best]) {
-                    best = v;
+                const llama_pos pos = e.pos + t;
+                llama_batch_ext_set_pos(stage->batch, idx, &pos);
+                if (t == 0) {
+                    first_row[i] = idx;
                 }
+                last_row[i] = idx;
             }
-            out->token[i] = best;
-            if (out->logits) {
-                std::memcpy(out->logits + (size_t) i * info.n_vocab, logits, sizeof(float) * info.n_vocab);
+            if (info.is_tail) {
+                llama_batch_ext_set_output_logits(stage->batch, last_row[i], true);
             }
         }
-        // every entry's logits are good: only now may a sampled token join a history
-        for (int32_t i = 0; i < n_entries; ++i) {
-            session_slot * slot = stage->find(entries[i].session_id);
-            const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
-            if (slot->sampled && next == (int64_t) slot->history.size()) {
-                out->token[i] = sample(stage, *slot, llama_get_logits_ith(stage->ctx, last_row[i]), next);
-                slot->history.push_back(out->token[i]);
+
+        stage->abort_requested.store(false);
+        const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
+        if (rc != 0) {
+            roll_back();
+            if (rc == 2) {
+                return stage->fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
             }
+            if (rc == 1) {
+                return stage->fail(MESHNET_ERR_CONTEXT_FULL, "no room in the KV cache for this batch");
+            }
+            return stage->fail(MESHNET_ERR_DECODE, format("llama.cpp failed to compute the batch (code %d): %s",
+                        rc, trimmed(tl_llama_errors).c_str()));
         }
-    } else {
-        // the residual goes out in entry order, whatever order the batch had
-        int64_t out_row = 0;
-        for (int32_t i = 0; i < n_entries; ++i) {
-            for (int32_t t = 0; t < entries[i].n_tokens; ++t, ++out_row) {
+
+        // the outputs of this call, before the next one replaces them
+        for (const int32_t i : call) {
+            if (info.is_tail) {
+                const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
+                if (!logits) {
+                    roll_back();
+                    return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
+                }
+                // one pass over the vocabulary: the most likely token, and no non-finite logit
+                int32_t best = 0;
+                for (int32_t v = 0; v < info.n_vocab; ++v) {
+                    if (!std::isfinite(logits[v])) {
+                        roll_back();
+                        return stage->fail(MESHNET_ERR_BAD_VALUE,
+                                format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
+                                       i, (double) logits[v], v));
+                    }
+                    if (logits[v] > logits[best]) {
+                        best = v;
+                    }
+                }
+                out->token[i] = best;
+                if (out->logits) {
+                    std::memcpy(out->logits + (size_t) i * info.n_vocab, logits, sizeof(float) * info.n_vocab);
+                }
+                const session_slot * slot = stage->find(entries[i].session_id);
+                const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
+                if (slot->sampled && next == (int64_t) slot->history.size()) {
+                    sampled[i] = out->token[i] = sample(stage, *slot, logits, next);
+                }
+                continue;
+            }
+            for (int32_t t = 0; t < entries[i].n_tokens; ++t) {
+                const int64_t out_row = out_at[i] + t;
                 const float * row = llama_get_embeddings_ith(stage->ctx, first_row[i] + t);
                 if (!row) {
                     roll_back();
@@ -555,6 +573,11 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
         }
     }
 
+    for (int32_t i = 0; i < n_entries; ++i) {
+        if (sampled[i] >= 0) {
+            stage->find(entries[i].session_id)->history.push_back(sampled[i]);
+        }
+    }
     for (int32_t i = 0; i < n_entries; ++i) {
         stage->find(entries[i].session_id)->n_tokens += entries[i].n_tokens;
     }

@@ -158,6 +158,29 @@ def test_sessions_batched_in_one_forward_call_match_each_alone(smollm2_path):
             pipe.release_session(sid)
 
 
+def test_a_prompt_chunk_beside_other_sessions_decode_steps_gives_what_it_gives_alone(smollm2_path):
+    """llama.cpp would cut a chunk batched with one-row steps into micro-batches of equal
+    rows per session (1 + n-1), whose floats differ; the engine runs the chunk apart."""
+    long_text = "The capital of France is a city that many people visit every year. " * 10
+    with Stage(smollm2_path, None, n_ctx=1024, max_sessions=4, n_threads=THREADS) as stage:
+        a, b = stage.tokenize(long_text)[:133], stage.tokenize(long_text[::-1])[:144]
+
+        def chunk_logits(with_decode_steps: bool) -> np.ndarray:
+            for sid in (1, 2, 3):
+                stage.open_session(sid)
+            stage.forward([Entry(1, 0, tokens=np.array(a)), Entry(3, 0, tokens=np.array(a[:50]))])
+            stage.forward([Entry(2, 0, tokens=np.array(b[:128]))])
+            entries = [Entry(2, 128, tokens=np.array(b[128:]))]
+            if with_decode_steps:   # sessions 1 and 3 (lower sequence ids) decode beside the chunk
+                entries += [Entry(1, len(a), tokens=np.array([5])), Entry(3, 50, tokens=np.array([9]))]
+            out = stage.forward(entries)
+            for sid in (1, 2, 3):
+                stage.release_session(sid)
+            return out.logits[0].copy()
+
+        assert float(np.abs(chunk_logits(True) - chunk_logits(False)).max()) == 0.0
+
+
 def test_truncate_forgets_the_cut_tokens_exactly(smollm2_path):
     with LocalPipeline(smollm2_path, [(0, 15), (15, 30)], n_ctx=128, max_sessions=2, n_threads=THREADS) as pipe:
         prompt = pipe.head.tokenize(PROMPT)
