@@ -75,6 +75,16 @@ def _nodes(ctx, param, values):
         raise click.BadParameter(e.message) from None
 
 
+def _resume_options(command):
+    """A session that loses a stage is replayed on a new route: at once when one stands
+    ready (a spare), or when one forms within --resume-wait seconds."""
+    command = click.option("--max-resumes", type=click.IntRange(min=0), default=2, show_default=True,
+                           help="resumes per session at most; then stage_lost")(command)
+    return click.option("--resume-wait", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                        help="seconds a session that lost a stage waits for a replacement to register (0: it is "
+                             "replayed only on a spare already there, else ends with stage_lost)")(command)
+
+
 def _sampling_options(command):
     """llama.cpp's sampler chain at the tail (meshnet/sampling.py); with none of them, greedy."""
     options = [
@@ -120,8 +130,9 @@ def _sampling(flags: dict):
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
 @click.option("--secure", is_flag=True, help="CURVE on every link between the coordinator and its workers, with fresh keys")
 @_sampling_options
+@_resume_options
 def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure,
-        **sampling_flags):
+        resume_wait, max_resumes, **sampling_flags):
     """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
     from .chat import answer_sampling
     from .gguf_layout import read_layout
@@ -152,7 +163,8 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
                                                                  chat_message=chat_message, sampling=sampling)
         else:
             tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
-                                                                 secure, chat_message=chat_message, sampling=sampling)
+                                                                 secure, chat_message=chat_message, sampling=sampling,
+                                                                 resume_wait=resume_wait, max_resumes=max_resumes)
     except MeshnetError as e:
         _fail(e)
 
@@ -196,11 +208,12 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, ch
 
 
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
-                    sampling=None):
+                    sampling=None, resume_wait=0.0, max_resumes=2):
     from .chat import prompt_tokens as chat_tokens
     from .cluster import LocalCluster
 
-    with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure) as cluster:
+    with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
+                      resume_wait=resume_wait, max_resumes=max_resumes) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -353,8 +366,9 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
 @click.option("--allow", "allow_path", default=None, help="the workers' public keys: a NAME.key file or a directory of them")
 @click.option("--insecure", is_flag=True, help="serve a non-loopback --bind without keys: anyone who can reach it may "
                                                  "register as a worker")
+@_resume_options
 def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
-                allow_path, insecure):
+                allow_path, insecure, resume_wait, max_resumes):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
@@ -379,7 +393,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         keys = security.load_secret(secret_file) if secret_file else None
         allowed = security.load_allowed(allow_path) if allow_path else None
         coord = Coordinator(bind, allow_mixed=allow_mixed, reference_model=reference_path, data_bind=data_bind,
-                            keys=keys, allowed_workers=allowed)
+                            keys=keys, allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes)
     except MeshnetError as e:
         _fail(e)
     with coord:
@@ -605,7 +619,9 @@ def plan(model, nodes, n_ctx, sessions, overhead, as_json):
 @click.option("--secret", "secret_file", default=None, help="with --coordinator: its CURVE key (NAME.key_secret)")
 @click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
 @click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key (--host)")
-def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure):
+@_resume_options
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
+          resume_wait, max_resumes):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from . import security
     from .serve import listen
@@ -627,6 +643,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
     try:
         options = {"keys": security.load_secret(secret_file),
                    "allowed_workers": security.load_allowed(allow_path)} if secret_file else {}
+        options.update(resume_wait=resume_wait, max_resumes=max_resumes)
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or 2048, max_sessions=max_sessions or 8,
                    echo=lambda line: click.echo(line, err=True))

@@ -156,6 +156,9 @@ class LocalCluster:
         self.stderr_tails: dict[tuple[int, int], StderrTail] = {}
 
     def spawn_worker(self, layers: LayerRange | tuple[int, int]) -> subprocess.Popen:
+        """A worker process for this range (a spare, when one holds it already). It dies
+        with the thread that calls this (Linux's parent-death signal is per thread): call
+        it from one that lives as long as the cluster."""
         layers = _layer_range(layers)
         start, end = layers
         args = [sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", self.coordinator.endpoint,

@@ -132,11 +132,19 @@ class Session:
     decode_crossings: int = 0
     suspect: tuple[MeshnetError, float] | None = None  # a stage could not pass it on: the error, unless a loss explains it by then
     mixed: bool = False                 # stages of more than one class (allow_mixed): drift is measured
+    sampling: Sampling | None = None
+    lost: tuple[MeshnetError, float] | None = None   # a stage lost, the session waiting for a route: the error, since
+    resume_by: float = 0.0              # ... and until when it may wait
+    resumes: list[dict] = field(default_factory=list)   # each resume: stage, replayed_tokens, elapsed_ms
 
     def __post_init__(self):
-        self.opens_waiting = len(self.route)
-        self.hops_us = [[] for _ in self.route[1:]]
-        self.crossings = [0 for _ in self.route[1:]]
+        self.on_route(self.route)
+
+    def on_route(self, route: list[WorkerRecord]) -> None:
+        self.route = route
+        self.opens_waiting = len(route)
+        self.hops_us = [[] for _ in route[1:]]
+        self.crossings = [0 for _ in route[1:]]
 
     def label(self, stage: int) -> str:
         return self.route[stage].offer.label
@@ -223,6 +231,8 @@ class Coordinator:
         overhead: int = OVERHEAD,
         keys: KeyPair | None = None,
         allowed_workers: set[bytes] | None = None,
+        resume_wait: float = 0.0,
+        max_resumes: int = 2,
     ):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
@@ -232,6 +242,11 @@ class Coordinator:
         self.allow_mixed = allow_mixed      # let workers of other classes into a route; runs then report drift
         self.drift_meter = DriftMeter(reference_model) if reference_model else None
         self.overhead = overhead            # per worker process, for the planner
+        # a session that loses a stage is replayed on a new route when one exists, or
+        # appears within resume_wait seconds; at most max_resumes times
+        self.resume_wait = resume_wait
+        self.max_resumes = max_resumes
+        self.resume_ms: collections.deque[float] = collections.deque(maxlen=1000)
 
         self.ctx = zmq.Context()
         # with keys, the control socket is a CURVE server: a worker whose public key is not
@@ -459,7 +474,10 @@ class Coordinator:
             stages.append({**theirs, **here, "requests": sum(theirs.get("requests", {}).values())})
         sessions = {k.removeprefix("failed_"): v for k, v in counters.items() if k.startswith("failed_")}
         sessions["completed"] = counters.get("sessions_completed", 0)
-        return {"stages": stages, "sessions": sessions, "counters": counters}
+        resume_ms = percentiles(list(self.resume_ms))
+        resumes = {"count": counters.get("resumes", 0), "replayed_tokens": counters.get("replayed_tokens", 0),
+                   "ms_p50": resume_ms["p50"], "ms_p99": resume_ms["p99"]}
+        return {"stages": stages, "sessions": sessions, "counters": counters, "resumes": resumes}
 
     def shutdown_workers(self) -> None:
         def ask(f):
@@ -661,6 +679,8 @@ class Coordinator:
                                               public_key=peer_key)
         self.counters["registrations"] += 1
         self._guarded("planning for the standby workers", self._plan_standby)
+        for session in [s for s in self.sessions.values() if s.lost is not None]:
+            self._guarded("resuming a session", self._try_resume, session, sid=session.sid)
 
     def _lose_worker(self, worker: WorkerRecord, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
@@ -678,10 +698,9 @@ class Coordinator:
             session = self.sessions.get(sid)
             if session is not None:
                 stage = next(i for i, w in enumerate(session.route) if w is worker)
-                self._fail(session, MeshnetError(
+                self._stage_lost(session, MeshnetError(
                     E.STAGE_LOST, f"stage {worker.offer.label} (worker {worker.name}) {reason}",
-                    stage=worker.offer.label, worker=worker.name, session=sid, elapsed_ms=elapsed_ms),
-                    skip_stage=stage)
+                    stage=worker.offer.label, worker=worker.name, session=sid, elapsed_ms=elapsed_ms), stage)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -845,27 +864,84 @@ class Coordinator:
                                               f"tokens exceed the route's context of {n_ctx}", session=sid)))
             return
         gen.chunk = min(gen.chunk, *(w.capability["n_batch"] for w in route))
-        gen.depth = len(route)
-        mixed = len({compat_class_of(w.capability) for w in route}) > 1
-        want_logits = want_logits or mixed   # a mixed route's every step is compared with the whole model
-        session = Session(sid, secrets.randbits(63), route, gen, want_logits, events, now() + self.request_timeout)
-        session.mixed = mixed
+        session = Session(sid, 0, [], gen, want_logits, events, 0.0, sampling=sampling)
         self.sessions[sid] = session
+        self._open_route(session, route)
+
+    def _open_route(self, session: Session, route: list[WorkerRecord]) -> None:
+        """Open the session on every stage of the route, under a fresh key (what is still
+        in flight from a route it had before is then dropped)."""
+        gen, sid = session.gen, session.sid
+        session.on_route(route)
+        session.key = secrets.randbits(63)
+        session.deadline = now() + self.request_timeout
+        gen.depth = len(route)
+        session.mixed = len({compat_class_of(w.capability) for w in route}) > 1
+        session.want_logits = session.want_logits or session.mixed   # a mixed route's every step is compared with the whole model
+        want_logits = session.want_logits
         last = len(route) - 1
         gather = head_gathers([w.capability for w in route])
         for i, worker in enumerate(route):
             worker.sessions.add(sid)
             self._request(worker, P.OPEN, Pending("open", sid, worker.identity, i, now() + self.request_timeout),
                           sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability["data_endpoint"],
-                          reply=self.data_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens,
+                          # a replay's prompt holds the tokens generated so far: the stages count the rest
+                          reply=self.data_endpoint, prompt_len=len(gen.prompt),
+                          max_tokens=gen.rule.max_tokens - gen.replayed,
                           stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and want_logits else None,
                           hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"],
                           gather=True if i == 0 and gather else None,
                           # with CURVE each stage learns the keys of its two neighbours in the ring
                           next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
-                          # the tail samples, knowing the prompt (its penalties look back on it)
-                          sampling=sampling.to_wire() if i == last and sampling else None,
-                          history=list(gen.prompt) if i == last and sampling else None)
+                          # the tail samples, knowing the tokens so far (its penalties look back on them)
+                          sampling=session.sampling.to_wire() if i == last and session.sampling else None,
+                          history=list(gen.prompt) if i == last and session.sampling else None)
+
+    def _stage_lost(self, session: Session, error: MeshnetError, stage: int) -> None:
+        """A stage of the session is gone. The session leaves the stages left and waits
+        for a route (one may stand ready: a spare), to be replayed on it; past its
+        resumes, or when no route comes within resume_wait, it ends with the error."""
+        if session.finished:
+            return
+        if len(session.resumes) >= self.max_resumes or session.gen.done:
+            self._fail(session, error, skip_stage=stage)
+            return
+        self._leave_route(session, stage, P.CANCEL)
+        session.on_route([])
+        session.suspect = None
+        session.lost = (error, now())
+        session.resume_by = now() + self.resume_wait
+        session.deadline = session.resume_by
+        self._try_resume(session)
+
+    def _try_resume(self, session: Session) -> None:
+        if session.finished or session.lost is None:
+            return
+        error, lost_at = session.lost
+        try:
+            route = self._route()
+            n_ctx = min(w.capability["n_ctx"] for w in route)
+            if session.gen.n_prompt + session.gen.rule.max_tokens > n_ctx:
+                raise MeshnetError(E.CONTEXT_FULL, f"the new route's context of {n_ctx} is too small for it")
+        except MeshnetError as e:
+            if now() >= session.resume_by:
+                waited = f" and no route over the model within --resume-wait {self.resume_wait:g} s" if self.resume_wait else ""
+                self._fail(session, MeshnetError(error.code, f"{error.message}{waited} ({e.message})", **error.context))
+            return
+        session.lost = None
+        session.gen = session.gen.replay()
+        # the prompt's chunks as they were, unless the new route takes less at once
+        # (its floats may then differ: the note says which chunking ran)
+        if max(b - a for a, b in zip([0] + session.gen.chunk_ends, session.gen.chunk_ends)) > min(
+                w.capability["n_batch"] for w in route):
+            session.gen.chunk = min(w.capability["n_batch"] for w in route)
+            session.gen.chunk_ends = None
+        session.resumes.append({"stage": error.context.get("stage"), "worker": error.context.get("worker"),
+                                "replayed_tokens": len(session.gen.prompt), "generated_before": session.gen.replayed,
+                                "lost_at": lost_at})
+        self.counters["resumes"] += 1
+        self.counters["replayed_tokens"] += len(session.gen.prompt)
+        self._open_route(session, route)
 
     def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
         """Carry out what the session's generation asks for."""
@@ -881,6 +957,10 @@ class Coordinator:
                     return
                 session.waiting_on = 0   # the coordinator feeds prompt chunks only: decode steps come from the tail
             elif isinstance(action, Token):
+                if session.resumes and "elapsed_ms" not in session.resumes[-1]:
+                    elapsed_ms = (now() - session.resumes[-1].pop("lost_at")) * 1000
+                    session.resumes[-1]["elapsed_ms"] = round(elapsed_ms, 1)
+                    self.resume_ms.append(elapsed_ms)
                 session.events.put(("token", TokenEvent(action.token, piece, logits)))
             elif isinstance(action, Finish) and action.reason != "error":
                 self._finish(session, action.reason)
@@ -960,6 +1040,9 @@ class Coordinator:
     def _expire_session(self, session: Session) -> None:
         if session.finished:
             return
+        if session.lost is not None:
+            self._try_resume(session)
+            return
         if session.suspect is not None and session.suspect[1] < now():
             self._fail(session, session.suspect[0], cancel=True)
             return
@@ -988,11 +1071,17 @@ class Coordinator:
             "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
             **({"mixed_route": True, "route_classes": [str(compat_class_of(w.capability)) for w in session.route]}
                if session.mixed else {}),
+            **({"resumed": [{k: v for k, v in r.items() if k != "lost_at"} for r in session.resumes]}
+               if session.resumes else {}),
         }
 
     def _end(self, session: Session, skip_stage: int | None, message_type: str) -> None:
         session.finished = True
         self.sessions.pop(session.sid, None)
+        self._leave_route(session, skip_stage, message_type)
+
+    def _leave_route(self, session: Session, skip_stage: int | None, message_type: str) -> None:
+        """Tell the session's stages (but skip_stage) to drop it; forget what it asked them."""
         for rid in [rid for rid, p in self.pending.items() if p.sid == session.sid]:
             del self.pending[rid]
         for i, worker in enumerate(session.route):

@@ -20,6 +20,13 @@ at the coordinator then gets no FeedHead for decode steps (`tail_feeds_head`), a
 tail decides to go on with the same StopRule, so both ends agree on the last token.
 The in-process pipeline and the coordinator both drive this class; tests drive it with
 plain data.
+
+A session that lost a stage is rebuilt on a new route by `replay()`: the prompt and the
+tokens generated so far go through the new route as they first went through the old
+one (the prompt in the same chunks, each generated token alone), because the engine's
+floats depend on how rows are grouped into forward calls; the tail then computes the
+next token from the same logits, and a sampled session draws it with the same seed.
+The caller sees no replayed token twice, only the tokens after them.
 """
 
 from __future__ import annotations
@@ -93,10 +100,16 @@ class Generation:
     t_start: float | None = None
     t_first: float | None = None
     t_end: float | None = None
+    # where each prompt chunk ends: by `chunk` unless a replay fixed them (see replay())
+    chunk_ends: list[int] | None = None
+    n_prompt: int | None = None       # the caller's prompt; a replay's prompt also holds the tokens so far
+    replayed: int = 0                 # tokens generated before a replay, fed again
 
     def __post_init__(self):
         if not self.prompt:
             raise MeshnetError(E.INVALID_ARGUMENT, "the prompt has no tokens")
+        if self.n_prompt is None:
+            self.n_prompt = len(self.prompt)
         if self.rule.max_tokens < 1:
             raise MeshnetError(E.INVALID_ARGUMENT, "max_tokens must be at least 1")
         if self.chunk < 1 or self.depth < 1:
@@ -109,8 +122,27 @@ class Generation:
     def opened(self) -> list[Action]:
         self._expect("opening")
         self.state = "prefill"
-        self.t_start = self.clock()
+        if self.t_start is None:
+            self.t_start = self.clock()
+        if self.chunk_ends is None:   # the chunk is the route's to bound until now
+            self.chunk_ends = list(range(self.chunk, len(self.prompt), self.chunk)) + [len(self.prompt)]
         return [self._next_chunk()]
+
+    def replay(self) -> "Generation":
+        """This session again from the start, for a new route: the prompt in the chunks it
+        was fed in, then each generated token alone, as when it was decoded; the token
+        after them is the next one the caller gets."""
+        if self.done:
+            raise MeshnetError(E.INTERNAL, "a finished generation has nothing to replay")
+        n_prompt = self.n_prompt
+        prompt_ends = (self.chunk_ends or list(range(self.chunk, n_prompt, self.chunk)) + [n_prompt])
+        prompt_ends = [end for end in prompt_ends if end <= n_prompt]
+        ends = prompt_ends + [n_prompt + i + 1 for i in range(len(self.tokens))]
+        return Generation(list(self.prompt[:n_prompt]) + self.tokens, self.rule, self.chunk,
+                          tail_feeds_head=self.tail_feeds_head, depth=self.depth, clock=self.clock,
+                          tokens=list(self.tokens), token_times=list(self.token_times), t_start=self.t_start,
+                          t_first=self.t_first, chunk_ends=ends, n_prompt=n_prompt,
+                          replayed=len(self.tokens))
 
     def head_took(self, pos: int, n: int) -> list[Action]:
         """The head has taken the prompt chunk at pos: the next one may enter it."""
@@ -132,7 +164,8 @@ class Generation:
         now = self.clock()
         if self.state == "prefill":
             self.state = "decode"
-            self.t_first = now
+            if self.t_first is None:   # a replay keeps the first token's time
+                self.t_first = now
         self.tokens.append(token)
         self.token_times.append(now)
         reason = self.rule.reason(len(self.tokens), is_eog)
@@ -148,7 +181,7 @@ class Generation:
     def metrics(self, ranges, seam_bytes: int) -> dict:
         t_end = self.t_end if self.t_end is not None else self.clock()
         t_start = self.t_start if self.t_start is not None else t_end
-        return generation_metrics(ranges, len(self.prompt), len(self.tokens), t_start,
+        return generation_metrics(ranges, self.n_prompt, len(self.tokens), t_start,
                                   self.t_first if self.t_first is not None else t_end, t_end, seam_bytes)
 
     # internals
@@ -157,14 +190,14 @@ class Generation:
         """The next prompt chunk, if the head is free for it and the pipeline has room."""
         if self.prompt_fed >= len(self.prompt) or self.head_done < self.prompt_fed:
             return []
-        in_flight = -(-(self.prompt_fed - self.tail_done) // self.chunk)
+        in_flight = sum(1 for end in self.chunk_ends if self.tail_done < end <= self.prompt_fed)
         return [self._next_chunk()] if in_flight < self.depth else []
 
     def _next_chunk(self) -> FeedHead:
         at = self.prompt_fed
-        piece = tuple(self.prompt[at : at + self.chunk])
-        self.prompt_fed += len(piece)
-        return FeedHead(at, piece, prompt=True)
+        end = next(e for e in self.chunk_ends if e > at)
+        self.prompt_fed = end
+        return FeedHead(at, tuple(self.prompt[at:end]), prompt=True)
 
     def _finish(self, reason: str, now: float | None = None) -> list[Action]:
         self.state = "done"

@@ -85,6 +85,12 @@ def prometheus_text(snapshot: dict) -> str:
            [({}, counters.get("refused_peers"))])
     metric("stage_refused_peers_total", "counter", "peers whose CURVE key a stage's data endpoint refused",
            [({"stage": s["stage"]}, s.get("refused_peers")) for s in stages])
+    resumes = snapshot.get("resumes", {})
+    metric("resumes_total", "counter", "sessions replayed on a new route after a stage was lost",
+           [({}, resumes.get("count"))])
+    metric("replayed_tokens_total", "counter", "tokens fed again to replay sessions", [({}, resumes.get("replayed_tokens"))])
+    metric("resume_ms", "gauge", "from a stage's loss to the session's next token",
+           [({"quantile": "0.5"}, resumes.get("ms_p50")), ({"quantile": "0.99"}, resumes.get("ms_p99"))])
     return "\n".join(lines) + "\n"
 
 

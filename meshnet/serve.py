@@ -574,7 +574,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
             path, _ = models.resolve(model)
             ranges = read_layout(path).balanced_ranges(stages)
             # the workers ignore the terminal's Ctrl-C: they are closed after the server
-            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions) as cluster:
+            resume = {k: v for k, v in (coordinator_options or {}).items() if k in ("resume_wait", "max_resumes")}
+            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(bind, **(coordinator_options or {})) as coordinator:
