@@ -40,6 +40,15 @@ def start_worker(path, endpoint, layers, *extra, ctx=256, **popen):
                              "--layers", layers, "--threads", str(THREADS), "--ctx", str(ctx), *extra], **popen)
 
 
+def alive(pid) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def rss_kib(pid) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))

@@ -22,6 +22,7 @@ from meshnet.pipeline import LocalPipeline
 from meshnet.sampling import Sampling
 
 from conftest import THREADS
+from peers import alive
 
 PROMPT = "\r\n> "   # the chat's prompt at the start of a line, as the terminal shows it
 
@@ -162,14 +163,6 @@ def test_a_full_context_drops_the_oldest_turns_and_a_question_too_long_alone_is_
 
 # meshnet chat in a real terminal
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _answer(child, question, timeout=60):
     """Send a question; [(arrival time, text)] of what the terminal showed until the next prompt."""
     child.sendline(question)
@@ -217,7 +210,7 @@ def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d(
         time.sleep(0.5)
         child.sendintr()
         child.expect_exact(PROMPT, timeout=10)
-        assert child.isalive() and all(_alive(pid) for pid in workers)
+        assert child.isalive() and all(alive(pid) for pid in workers)
 
         # Ctrl-D: the chat ends, cleanly, and its workers with it
         child.sendeof()
@@ -226,14 +219,14 @@ def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d(
         assert (child.exitstatus, child.signalstatus) == (0, None)
         assert "Traceback" not in child.before
         deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         if child.isalive():
             child.kill(signal.SIGKILL)
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

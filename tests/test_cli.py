@@ -13,6 +13,7 @@ from meshnet.gguf_layout import read_layout
 from meshnet.pipeline import LocalPipeline
 
 from conftest import THREADS
+from peers import alive
 
 
 def meshnet(*args):
@@ -110,28 +111,20 @@ def test_ctrl_c_during_run_leaves_no_worker_processes():
             chunk = run.stdout.read1(64)
             assert chunk, f"meshnet run ended before generating: {run.wait()} {run.stderr.read().decode()[-500:]}"
             out += chunk
-        assert all(_alive(pid) for pid in children) and run.poll() is None  # so the interrupt is what ends them
+        assert all(alive(pid) for pid in children) and run.poll() is None  # so the interrupt is what ends them
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=30) != 0
         assert "Traceback" not in run.stderr.read().decode()
         deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in children)
+        assert not any(alive(pid) for pid in children)
     finally:
         if run.poll() is None:
             run.kill()
         for pid in children:  # a failed run must not leave them to the next test
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
