@@ -272,11 +272,11 @@ class Session:
 
     async def settle(self) -> None:
         """Wait (a little at most) until the coordinator has ended the session."""
-        try:
-            async with asyncio.timeout(SETTLE_S):
-                while (await self.events.get())[0] == "token":
-                    pass
-        except TimeoutError:
+        deadline = time.monotonic() + SETTLE_S
+        try:   # (asyncio.timeout would do, from Python 3.11; meshnet runs on 3.10)
+            while (await asyncio.wait_for(self.events.get(), max(0.0, deadline - time.monotonic())))[0] == "token":
+                pass
+        except asyncio.TimeoutError:
             pass
 
     async def next(self, request: Request) -> tuple[str, object]:
