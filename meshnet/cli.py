@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from pathlib import Path
 import sys
 
 import click
@@ -511,6 +512,66 @@ def _status_table(snapshot: dict) -> str:
                     f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}")
     sessions = ", ".join(f"{k} {v}" for k, v in snapshot["sessions"].items())
     return "\n".join(rows) + f"\nsessions: {sessions}"
+
+
+@main.command()
+@click.option("--model", default=None, help=f"model name or GGUF path [default: {models.DEFAULT_MODEL}]")
+@click.option("--stages", type=click.IntRange(min=2), default=None, help="split into N balanced stages [default: 2]")
+@click.option("--split", "split", default=None, callback=_usage_error(parse_seams), help="seams, e.g. 15 or 10,20")
+@click.option("--against", type=click.Choice(["whole"]), default="whole", show_default=True,
+              help="what the route is compared with: the whole model in this process")
+@click.option("--tokens", "n_tokens", type=click.IntRange(min=1), default=64, show_default=True, help="greedy tokens per prompt")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage and for the whole model [default: one per core]")
+@click.option("--json", "as_json", is_flag=True)
+def drift(model, stages, split, against, n_tokens, threads, as_json):
+    """How far a route of worker processes drifts from the whole model: the bench prompts,
+    each step teacher-forced; top-1 agreement, max |logit diff|, KL(whole || route) and the
+    first step where the top-1 tokens part. On one backend every figure is exactly 0."""
+    from .bench import PROMPTS
+    from .cluster import LocalCluster
+    from .drift import DriftMeter
+    from .gguf_layout import read_layout
+    from .layers import ranges_from_seams
+
+    if stages is not None and split is not None:
+        raise click.UsageError("give --stages or --split, not both")
+    n_ctx = 1024
+    try:
+        path, sha256 = models.resolve(model)
+        layout = read_layout(path)
+        ranges = ranges_from_seams(layout.n_layer, split) if split is not None else layout.balanced_ranges(stages or 2)
+        meter = DriftMeter(path, n_ctx=n_ctx, n_threads=threads)
+        try:
+            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
+                coordinator = cluster.coordinator
+                results = []
+                for prompt in PROMPTS:
+                    tokens = coordinator.tokenize(prompt)
+                    run = coordinator.generate(tokens, n_tokens, want_logits=True, stop_at_eog=False).result(600)
+                    measured = meter.measure(tokens, run.tokens, run.logits)
+                    results.append({"prompt": prompt, **{k: measured[k] for k in (
+                        "top1_agreement", "max_abs_logit_diff", "max_kl", "first_divergence")}})
+        finally:
+            meter.close()
+    except MeshnetError as e:
+        _fail(e)
+    report = {"model": str(path), "model_sha256": sha256, "route": [r.label for r in ranges], "against": against,
+              "tokens": n_tokens, "prompts": results,
+              "top1_agreement": min(r["top1_agreement"] for r in results),
+              "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in results),
+              "max_kl": max(r["max_kl"] for r in results),
+              "first_divergence": min((r["first_divergence"] for r in results if r["first_divergence"] is not None),
+                                      default=None)}
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"{Path(path).name}: route {' '.join(report['route'])} against the whole model, {len(PROMPTS)} prompts "
+               f"x {n_tokens} tokens (teacher-forced)")
+    click.echo(f"{'prompt':<40} {'top-1 agreement':>15} {'max |dlogit|':>12} {'max KL':>10} {'first divergence':>16}")
+    for r in results:
+        first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
+        click.echo(f"{r['prompt'][:40]:<40} {r['top1_agreement']:>15.3f} {r['max_abs_logit_diff']:>12.4g} "
+                   f"{r['max_kl']:>10.3g} {first:>16}")
 
 
 @main.command()

@@ -3,7 +3,9 @@
 A route whose stages differ in class (another quantization of the model, another
 backend) runs only with --allow-mixed, and then each run is compared, step by step,
 with the whole model in this process fed the same tokens (teacher forcing): whether
-both pick the same top-1 token, and the largest |logit difference|.
+both pick the same top-1 token, the largest |logit difference|, KL(whole || route) and
+the first step where the top-1 tokens part. `meshnet drift` measures any route so; on
+one backend it must be exactly 0.
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ import numpy as np
 from .engine import Entry
 
 SESSION = 1
+
+
+def kl_divergence(whole: np.ndarray, route: np.ndarray) -> float:
+    """KL(whole || route) of the two softmaxes, in nats, in float64; 0 when the logits are
+    equal, which is what a route on one backend gives."""
+    if np.array_equal(whole, route):
+        return 0.0
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max()
+        return x - np.log(np.exp(x).sum())
+    p_log, q_log = log_softmax(whole), log_softmax(route)
+    return float(max(0.0, np.sum(np.exp(p_log) * (p_log - q_log))))
 
 
 class DriftMeter:
@@ -46,7 +61,8 @@ class DriftMeter:
                     out = whole.forward([Entry(SESSION, pos, tokens=np.asarray(feed, dtype=np.int32))])
                     reference = out.logits[0]
                     steps.append({"top1_agrees": int(np.argmax(reference)) == int(token),
-                                  "max_abs_logit_diff": float(np.max(np.abs(reference - route_logits)))})
+                                  "max_abs_logit_diff": float(np.max(np.abs(reference - route_logits))),
+                                  "kl": kl_divergence(reference, route_logits)})
                     pos += len(feed)
                     feed = [token]
             finally:
@@ -56,6 +72,8 @@ class DriftMeter:
             "steps": steps,
             "top1_agreement": sum(s["top1_agrees"] for s in steps) / len(steps) if steps else None,
             "max_abs_logit_diff": max((s["max_abs_logit_diff"] for s in steps), default=None),
+            "max_kl": max((s["kl"] for s in steps), default=None),
+            "first_divergence": next((k for k, s in enumerate(steps) if not s["top1_agrees"]), None),
         }
 
     def close(self) -> None:
