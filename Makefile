@@ -30,9 +30,23 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine python model test run check-patches clean distclean
+.PHONY: all engine engine-cuda python model test run check-patches clean distclean
 
 all: engine python model
+
+# make GPU=cuda: also the engine with ggml's CUDA backend, from the same pinned tree and
+# patch stack, in a folder of its own (build/cuda/libmeshnet_engine.so), so the CPU
+# engine stays as it is. One GPU architecture only (CUDA_ARCH, e.g. 90 for Hopper;
+# default: the GPUs of this machine), and no flash-attention kernels (stages run without
+# flash attention: see engine_c/stage.cpp).
+GPU       ?=
+CUDA_ARCH ?= native
+CUDA_DIR  := $(BUILD)/cuda
+ifeq ($(GPU),cuda)
+all: engine-cuda
+else ifneq ($(GPU),)
+$(error GPU=$(GPU) is not a backend this Makefile builds: GPU=cuda, or nothing for the CPU engine)
+endif
 
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +82,15 @@ $(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt
 
 engine: $(CMAKE_DIR)/.configured
 	cmake --build $(CMAKE_DIR) --target meshnet_engine -j $(JOBS)
+
+engine-cuda: $(TREE)/.stamp
+	@command -v nvcc >/dev/null || { echo "error: the CUDA engine needs CUDA's compiler, nvcc, on the PATH: install the CUDA toolkit (or put its bin/ on the PATH); plain make builds the CPU engine" >&2; exit 2; }
+	cmake -S engine_c -B $(CUDA_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+	    -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) -DGGML_CUDA_FA=OFF \
+	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(CUDA_DIR)) \
+	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
+	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) > $(CUDA_DIR).log
+	cmake --build $(CUDA_DIR)/cmake --target meshnet_engine -j $(JOBS)
 
 # the stamp lives in the venv, so a new or deleted venv gets meshnet installed again
 $(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)

@@ -49,3 +49,24 @@ def test_ci_builds_with_the_system_python_where_there_is_one():
     script = (ROOT / ".ci" / "run").read_text()
     assert "/usr/bin/python3" in script and "python3-venv" in script
     assert "unset VIRTUAL_ENV" in script
+
+
+def test_the_cuda_engine_builds_apart_for_one_architecture_and_needs_nvcc(tmp_path):
+    lines = make_dry_run("engine-cuda", fresh=False, GPU="cuda", CUDA_ARCH="90")
+    commands = " ".join(line.rstrip("\\").strip() for line in lines)   # one line per command, continuations joined
+    configure = commands[commands.index("cmake -S engine_c -B build/cuda/cmake"):]
+    assert "-DGGML_CUDA=ON" in configure and "-DCMAKE_CUDA_ARCHITECTURES=90" in configure
+    assert "-DMESHNET_LIB_DIR=" + str(ROOT / "build" / "cuda") in configure   # the CPU engine stays where it is
+    assert "all: engine-cuda" not in make_dry_run("all", fresh=False)          # plain make: the CPU engine only
+    # without CUDA's compiler on the PATH: one clear line, before anything is configured
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("make", "sh", "cmake"):
+        (bare / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
+    environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    result = subprocess.run(["make", "engine-cuda", "GPU=cuda"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=dict(environment, PATH=str(bare)))
+    assert result.returncode != 0 and "needs CUDA's compiler, nvcc, on the PATH" in result.stderr, result.stderr
+    assert not (ROOT / "build" / "cuda" / "cmake").exists()
+    refused = subprocess.run(["make", "-n", "GPU=rocm"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "GPU=rocm is not a backend" in refused.stderr
