@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from . import errors, models
 from .chat import answer_sampling
+from .chat import prompt_tokens as chat_prompt_tokens
 from .errors import MeshnetError
 from .metrics import prometheus_text
 from .sampling import Sampling
@@ -489,11 +490,8 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         messages = chat_messages(body.messages)
-
-        def tokens_of():
-            text = coordinator.chat_prompt(messages)
-            return coordinator.tokenize(text, add_special=True, parse_special=True)
-        return await generate(request, body, True, tokens_of, body.max_completion_tokens or body.max_tokens)
+        return await generate(request, body, True, lambda: chat_prompt_tokens(coordinator, messages),
+                              body.max_completion_tokens or body.max_tokens)
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest):
