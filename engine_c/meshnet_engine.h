@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 2
+#define MESHNET_ENGINE_ABI_VERSION 3
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -48,7 +48,8 @@ typedef enum {
     MESHNET_ERR_BUFFER_TOO_SMALL  = 13,
     MESHNET_ERR_INTERNAL          = 14,
     MESHNET_ERR_BAD_VALUE         = 15, /* a residual or logit that is not finite, or too large to be real */
-    MESHNET_ERR_NO_TEMPLATE       = 16  /* the model has no chat template llama.cpp knows */
+    MESHNET_ERR_NO_TEMPLATE       = 16, /* the model has no chat template llama.cpp knows */
+    MESHNET_ERR_NO_GPU            = 17  /* a GPU stage was asked of an engine without one */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
@@ -63,6 +64,8 @@ typedef struct {
     int32_t n_ubatch;      /* physical batch: longer calls run in chunks of this; 0 = n_batch */
     int32_t n_threads;     /* 0 = one per core */
     int32_t flash_attn;    /* 1 = flash attention; results then depend on how a prompt is chunked */
+    int32_t gpu;           /* 1 = every layer, the KV cache and the compute on the first GPU;
+                              0 = the CPU alone, also in an engine built with a GPU backend */
 } meshnet_stage_params;
 
 typedef struct {
@@ -82,6 +85,10 @@ typedef struct {
     uint64_t kv_bytes;        /* KV cache bytes allocated (all sessions) */
     uint64_t kv_bytes_used;   /* KV bytes holding tokens of open sessions */
     uint64_t compute_bytes;   /* scratch buffers for the forward pass */
+    uint64_t device_bytes;    /* of the three above, the bytes in the GPU's own memory (VRAM) */
+    uint64_t device_total;    /* the GPU's memory; 0 on the CPU */
+    char     backend[16];     /* where the layers run: "CPU", or the GPU backend's name ("CUDA") */
+    char     device[128];     /* that processor, as ggml describes it ("NVIDIA H200", a CPU's model name) */
     char     engine_pin[192]; /* as meshnet_engine_pin() */
 } meshnet_stage_info;
 

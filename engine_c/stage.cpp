@@ -63,6 +63,18 @@ void init_llama_once() {
     });
 }
 
+// the first GPU ggml's backends found (an integrated one will do), or nullptr
+ggml_backend_dev_t first_gpu() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return dev;
+        }
+    }
+    return nullptr;
+}
+
 std::string format(const char * fmt, ...) {
     char buf[1024];
     va_list args;
@@ -225,7 +237,24 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_UNSUPPORTED_ARCH;
     }
 
+    // The device list is explicit either way: empty for a CPU stage, so that an engine
+    // built with a GPU backend still runs it on the CPU alone (llama.cpp would otherwise
+    // put every layer on any GPU it finds), and the first GPU for a GPU stage.
+    ggml_backend_dev_t devices[2] = {nullptr, nullptr};
+    if (p->gpu) {
+        devices[0] = first_gpu();
+        if (!devices[0]) {
+            err = ggml_backend_reg_count() > 1
+                ? "this engine has a GPU backend but it finds no GPU: is the driver loaded, or does CUDA_VISIBLE_DEVICES hide them?"
+                : "this engine was built for the CPU alone: `make GPU=cuda` builds the GPU engine (build/cuda)";
+            return MESHNET_ERR_NO_GPU;
+        }
+    }
+
     llama_model_params mparams = llama_model_default_params();
+    mparams.devices      = devices;
+    mparams.n_gpu_layers = p->gpu ? -1 : 0;   // a GPU stage holds all its layers there, the output layer too
+    mparams.split_mode   = LLAMA_SPLIT_MODE_NONE;
     // read only this stage's tensors into its own buffers: memory is the stage's share
     mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
     mparams.layer_start = ranged ? il_start : 0;
@@ -261,6 +290,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.abort_callback      = abort_callback;
     cparams.abort_callback_data = stage;
+    cparams.offload_kqv = p->gpu != 0;   // the KV cache beside the layers that use it
+    cparams.op_offload  = p->gpu != 0;   // a CPU stage never sends a large batch's work to a GPU
     stage->ctx = llama_init_from_model(stage->model, cparams);
     if (!stage->ctx) {
         err = format("llama.cpp could not create a context for '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
@@ -297,6 +328,15 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     info.n_ctx        = p->n_ctx;
     info.max_sessions = p->max_sessions;
     info.n_batch      = p->n_batch;
+    ggml_backend_dev_t processor = p->gpu ? devices[0] : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    std::snprintf(info.backend, sizeof(info.backend), "%s",
+                  p->gpu ? ggml_backend_reg_name(ggml_backend_dev_backend_reg(processor)) : "CPU");
+    std::snprintf(info.device, sizeof(info.device), "%s", processor ? ggml_backend_dev_description(processor) : "CPU");
+    if (p->gpu) {
+        size_t free_bytes = 0, total_bytes = 0;
+        ggml_backend_dev_memory(processor, &free_bytes, &total_bytes);
+        info.device_total = total_bytes;
+    }
     std::snprintf(info.engine_pin, sizeof(info.engine_pin), "%s", meshnet_engine_pin());
     return MESHNET_OK;
 }
@@ -655,12 +695,14 @@ meshnet_status meshnet_stage_info_get(meshnet_stage * stage, meshnet_stage_info 
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     try {
-        uint64_t model_bytes = 0, kv_bytes = 0, compute_bytes = 0;
+        uint64_t model_bytes = 0, kv_bytes = 0, compute_bytes = 0, device_bytes = 0;
         for (const auto & [buft, mb] : llama_get_memory_breakdown(stage->ctx)) {
-            (void) buft;
             model_bytes   += mb.model;
             kv_bytes      += mb.context;
             compute_bytes += mb.compute;
+            if (!ggml_backend_buft_is_host(buft)) {
+                device_bytes += mb.model + mb.context + mb.compute;
+            }
         }
         int64_t tokens_held = 0;
         int32_t n_sessions  = 0;
@@ -673,6 +715,7 @@ meshnet_status meshnet_stage_info_get(meshnet_stage * stage, meshnet_stage_info 
         stage->info.model_bytes   = model_bytes;
         stage->info.kv_bytes      = kv_bytes;
         stage->info.compute_bytes = compute_bytes;
+        stage->info.device_bytes  = device_bytes;
         stage->info.n_sessions    = n_sessions;
         // every KV cell has the same size: a session holding n tokens uses n cells
         const uint64_t n_cells = llama_n_ctx(stage->ctx);

@@ -23,7 +23,8 @@ from .sampling import Sampling
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
-ABI_VERSION = 2
+GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
+ABI_VERSION = 3
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -43,6 +44,7 @@ STATUS_CODES = {
     14: errors.INTERNAL,
     15: errors.BAD_PAYLOAD,   # a residual or logit that is not finite (or too large to be real)
     16: errors.NO_CHAT_TEMPLATE,
+    17: errors.NO_GPU,
 }
 
 
@@ -73,14 +75,21 @@ def _cdef_from_header(text: str) -> str:
 _ffi = FFI()
 _ffi.cdef(_cdef_from_header(HEADER.read_text()))
 _lib = None
+_lib_path: Path | None = None
 
 
-def library():
-    """The loaded engine library (MESHNET_ENGINE_LIB overrides the build output)."""
-    global _lib
+def library(gpu: bool = False):
+    """The loaded engine library: the CPU build, or for a GPU stage the GPU build, which
+    runs CPU stages too; MESHNET_ENGINE_LIB overrides both. A process loads one: a GPU
+    stage in a process that has the CPU build loaded is refused, not silently run on the CPU."""
+    global _lib, _lib_path
     if _lib is None:
-        path = Path(os.environ.get("MESHNET_ENGINE_LIB", DEFAULT_LIBRARY))
+        override = os.environ.get("MESHNET_ENGINE_LIB")
+        path = Path(override or (GPU_LIBRARY if gpu else DEFAULT_LIBRARY))
         if not path.exists():
+            if gpu and not override:
+                raise MeshnetError(errors.ENGINE_MISSING, f"a GPU stage needs the GPU engine, {path}, which is not built: "
+                                   "`make GPU=cuda` builds it (it needs CUDA's compiler, nvcc)")
             raise MeshnetError(errors.ENGINE_MISSING, f"the engine library {path} does not exist: run `make` first")
         lib = _ffi.dlopen(str(path))
         if lib.meshnet_engine_abi_version() != ABI_VERSION:
@@ -88,12 +97,15 @@ def library():
                 errors.ENGINE_MISMATCH,
                 f"{path} speaks engine ABI {lib.meshnet_engine_abi_version()}, this package needs {ABI_VERSION}: run `make`",
             )
-        _lib = lib
+        _lib, _lib_path = lib, path
+    elif gpu and _lib_path == DEFAULT_LIBRARY and not os.environ.get("MESHNET_ENGINE_LIB"):
+        raise MeshnetError(errors.NO_GPU, f"this process already runs the CPU engine ({_lib_path}); a GPU stage runs "
+                           "in a process of its own (meshnet worker --gpu)")
     return _lib
 
 
-def engine_pin() -> str:
-    return _ffi.string(library().meshnet_engine_pin()).decode()
+def engine_pin(gpu: bool = False) -> str:
+    return _ffi.string(library(gpu).meshnet_engine_pin()).decode()
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,10 @@ class StageInfo:
     kv_bytes: int
     kv_bytes_used: int
     compute_bytes: int
+    device_bytes: int     # of the above, in the GPU's memory (VRAM)
+    device_total: int     # the GPU's memory; 0 on the CPU
+    backend: str          # "CPU" or "CUDA"
+    device: str           # the GPU's or the CPU's name
     engine_pin: str
 
 
@@ -170,8 +186,9 @@ class Stage:
         n_ubatch: int = 0,
         n_threads: int = 0,
         flash_attn: bool = False,
+        gpu: bool = False,
     ):
-        lib = library()
+        lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
         start, end = layers if layers is not None else (0, 0)
@@ -187,6 +204,7 @@ class Stage:
                 "n_ubatch": n_ubatch,
                 "n_threads": n_threads,
                 "flash_attn": flash_attn,
+                "gpu": gpu,
             },
         )
         out = _ffi.new("meshnet_stage **")
@@ -234,7 +252,8 @@ class Stage:
         self._check(self._lib.meshnet_stage_info_get(self._live(), raw))
         fields = {name: getattr(raw, name) for name in StageInfo.__dataclass_fields__}
         fields["is_head"], fields["is_tail"] = bool(raw.is_head), bool(raw.is_tail)
-        fields["arch"], fields["engine_pin"] = _ffi.string(raw.arch).decode(), _ffi.string(raw.engine_pin).decode()
+        for name in ("arch", "engine_pin", "backend", "device"):
+            fields[name] = _ffi.string(getattr(raw, name)).decode(errors="replace")
         return StageInfo(**fields)
 
     @property

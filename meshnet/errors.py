@@ -38,6 +38,7 @@ MODEL_DOES_NOT_FIT = _code("model_does_not_fit", 3, "the nodes' memory cannot ho
 BAD_RANGE = _code("bad_range", 3, "a layer range or split that is empty, reversed or outside the model")
 ENGINE_MISSING = _code("engine_missing", 3, "the engine library has not been built")
 ENGINE_MISMATCH = _code("engine_mismatch", 3, "the engine library speaks another ABI version than this package")
+NO_GPU = _code("no_gpu", 3, "a GPU stage asked of a machine or engine build without a GPU")
 
 # 4: the workers, the network
 ROUTE_INCOMPLETE = _code("route_incomplete", 4, "the registered workers do not make a route over the whole model")

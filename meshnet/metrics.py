@@ -63,6 +63,8 @@ def prometheus_text(snapshot: dict) -> str:
     per_stage = [
         ("stage_rss_bytes", "gauge", "resident memory of the stage's worker process", "rss_bytes"),
         ("stage_model_bytes", "gauge", "weight bytes the stage loaded", "model_bytes"),
+        ("stage_vram_bytes", "gauge", "GPU memory the stage holds (weights, KV cache, compute buffers); 0 on a CPU",
+         "vram_bytes"),
         ("stage_kv_bytes_used", "gauge", "KV cache bytes holding tokens of open sessions", "kv_bytes_used"),
         ("stage_queue_depth", "gauge", "forward requests waiting on the stage", "queue_depth"),
         ("stage_sessions", "gauge", "sessions open on the stage", "n_sessions"),

@@ -27,7 +27,7 @@ from . import errors as E
 from .errors import MeshnetError
 from .sampling import Sampling
 
-VERSION = 2   # 2: sampling and history in OPEN, TEMPLATE
+VERSION = 3   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -228,7 +228,8 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "n_embd": (INT, True, _positive),
     "n_vocab": (INT, True, _positive),
     "engine_pin": (STR, True, _short_text),
-    "backend": (STR, True, _short_text),
+    "backend": (STR, True, _short_text),         # "CPU" or "CUDA": part of the compatibility class
+    "device": (STR, False, _short_text),         # the processor the layers run on, by name (once it holds layers)
     "wire_dtype": (STR, True, lambda v: v == "f32"),
     "max_sessions": (INT, True, _positive),
     "n_ctx": (INT, True, _positive),

@@ -217,6 +217,7 @@ class StageLoop(threading.Thread):
             "kv_bytes_used": info.kv_bytes_used,
             "model_bytes": info.model_bytes,
             "compute_bytes": info.compute_bytes,
+            "vram_bytes": info.device_bytes,
             "forwards": self.forwards,
             "batched_entries": self.batched_entries,
             "compute_us_total": self.compute_us_total,

@@ -70,6 +70,7 @@ class WorkerConfig:
     coordinator_key: bytes | None = None   # ... to the coordinator holding this public key
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
+    gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
 
 
 # which bound each stage-loop job counts against (see StageWorker._queue)
@@ -136,7 +137,7 @@ class StageWorker:
         self.gatekeeper: Gatekeeper | None = None
         if config.layers is not None:
             self._serve(Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                              n_batch=config.n_batch, n_threads=config.n_threads))
+                              n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu))
         else:
             self._wait_for_a_range()
         self.dealer: zmq.Socket | None = None
@@ -168,8 +169,9 @@ class StageWorker:
             "n_layer": n_layer,
             "n_embd": n_embd,
             "n_vocab": n_vocab,
-            "engine_pin": engine_pin(),
-            "backend": "CPU",
+            "engine_pin": engine_pin(self.config.gpu),
+            # until a range is loaded the engine has not named its backend; the GPU engine is CUDA's
+            "backend": "CUDA" if self.config.gpu else "CPU",
             "wire_dtype": "f32",
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
@@ -200,7 +202,7 @@ class StageWorker:
         info = stage.info()
         self.info = info
         self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
-                               layers=[info.layer_start, info.layer_end],
+                               layers=[info.layer_start, info.layer_end], backend=info.backend, device=info.device,
                                admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
         self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
         curve = None
@@ -367,7 +369,7 @@ class StageWorker:
             try:
                 future.set_result(Stage(self.config.model_path, (start, end), n_ctx=self.config.n_ctx,
                                         max_sessions=self.config.max_sessions, n_batch=self.config.n_batch,
-                                        n_threads=self.config.n_threads))
+                                        n_threads=self.config.n_threads, gpu=self.config.gpu))
             except BaseException as e:  # handed to the socket loop, which answers with it
                 future.set_exception(e)
         threading.Thread(target=load, name="meshnet-load", daemon=True).start()
