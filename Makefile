@@ -41,6 +41,7 @@ all: engine python model
 # flash attention: see engine_c/stage.cpp).
 GPU       ?=
 CUDA_ARCH ?= native
+CUDA_CMAKE_ARGS ?=
 CUDA_DIR  := $(BUILD)/cuda
 ifeq ($(GPU),cuda)
 all: engine-cuda
@@ -89,7 +90,7 @@ engine-cuda: $(TREE)/.stamp
 	    -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) -DGGML_CUDA_FA=OFF \
 	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(CUDA_DIR)) \
 	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
-	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) > $(CUDA_DIR).log
+	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) $(CUDA_CMAKE_ARGS) > $(CUDA_DIR).log
 	cmake --build $(CUDA_DIR)/cmake --target meshnet_engine -j $(JOBS)
 
 # the stamp lives in the venv, so a new or deleted venv gets meshnet installed again

@@ -316,8 +316,10 @@ def _readline_if_terminal() -> None:
 @click.option("--coordinator-key", "coordinator_key_file", default=None, help="the coordinator's public key file (NAME.key)")
 @click.option("--insecure", is_flag=True, help="serve a non-loopback --data-bind without keys: anyone who can reach it "
                                                  "may send this stage activations")
+@click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
+                                            "make GPU=cuda); it then reports backend CUDA and the GPU's name")
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from . import security
     from .worker import StageWorker, WorkerConfig
@@ -331,7 +333,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind, cpu=cpu, mem=mem,
+                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None)
         if max_queue is not None:
@@ -514,64 +516,76 @@ def _status_table(snapshot: dict) -> str:
     return "\n".join(rows) + f"\nsessions: {sessions}"
 
 
+def _stage_indices(text: str) -> tuple[int, ...] | str:
+    """--gpu 0 or 0,2 (route positions) or all."""
+    if text == "all":
+        return "all"
+    try:
+        indices = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"--gpu takes stage positions (0 is the head), e.g. 0 or 0,2, "
+                           f"or all; not {text!r}") from None
+    if not indices or indices[0] < 0:
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"--gpu: stage positions start at 0 (the head); not {text!r}")
+    return indices
+
+
 @main.command()
 @click.option("--model", default=None, help=f"model name or GGUF path [default: {models.DEFAULT_MODEL}]")
-@click.option("--stages", type=click.IntRange(min=2), default=None, help="split into N balanced stages [default: 2]")
+@click.option("--stages", type=click.IntRange(min=1), default=None,
+              help="split into N balanced stages; 1: the whole model in one worker [default: 2]")
 @click.option("--split", "split", default=None, callback=_usage_error(parse_seams), help="seams, e.g. 15 or 10,20")
+@click.option("--gpu", "gpu", default=None, callback=_usage_error(_stage_indices),
+              help="run these stages on the GPU (worker --gpu): positions such as 0 (the head) or 0,2, or all")
+@click.option("--allow-mixed", is_flag=True, help="let stages of another class (a GPU stage beside CPU ones) into the "
+                                                  "route; without it the tracker refuses such a route, naming both classes")
 @click.option("--against", type=click.Choice(["whole"]), default="whole", show_default=True,
-              help="what the route is compared with: the whole model in this process")
+              help="what the route is compared with: the whole model on the CPU in this process")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), default=64, show_default=True, help="greedy tokens per prompt")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage and for the whole model [default: one per core]")
 @click.option("--json", "as_json", is_flag=True)
-def drift(model, stages, split, against, n_tokens, threads, as_json):
+def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as_json):
     """How far a route of worker processes drifts from the whole model: the bench prompts,
     each step teacher-forced; top-1 agreement, max |logit diff|, KL(whole || route) and the
-    first step where the top-1 tokens part. On one backend every figure is exactly 0."""
-    from .bench import PROMPTS
+    first step where the top-1 tokens part, with the route's decode rate. On one backend
+    every figure is exactly 0."""
     from .cluster import LocalCluster
-    from .drift import DriftMeter
+    from .drift import measure_route
     from .gguf_layout import read_layout
     from .layers import ranges_from_seams
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
-    n_ctx = 1024
     try:
         path, sha256 = models.resolve(model)
         layout = read_layout(path)
         ranges = ranges_from_seams(layout.n_layer, split) if split is not None else layout.balanced_ranges(stages or 2)
-        meter = DriftMeter(path, n_ctx=n_ctx, n_threads=threads)
-        try:
-            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
-                coordinator = cluster.coordinator
-                results = []
-                for prompt in PROMPTS:
-                    tokens = coordinator.tokenize(prompt)
-                    run = coordinator.generate(tokens, n_tokens, want_logits=True, stop_at_eog=False).result(600)
-                    measured = meter.measure(tokens, run.tokens, run.logits)
-                    results.append({"prompt": prompt, **{k: measured[k] for k in (
-                        "top1_agreement", "max_abs_logit_diff", "max_kl", "first_divergence")}})
-        finally:
-            meter.close()
+        gpu_stages = range(len(ranges)) if gpu == "all" else (gpu or ())
+        if any(i >= len(ranges) for i in gpu_stages):
+            raise click.BadParameter(f"the route has {len(ranges)} stages, positions 0 to {len(ranges) - 1}",
+                                     param_hint="--gpu")
+        cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1, gpu_stages=gpu_stages,
+                               allow_mixed=allow_mixed)
+        report = measure_route(cluster, path, n_tokens, threads)
     except MeshnetError as e:
         _fail(e)
-    report = {"model": str(path), "model_sha256": sha256, "route": [r.label for r in ranges], "against": against,
-              "tokens": n_tokens, "prompts": results,
-              "top1_agreement": min(r["top1_agreement"] for r in results),
-              "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in results),
-              "max_kl": max(r["max_kl"] for r in results),
-              "first_divergence": min((r["first_divergence"] for r in results if r["first_divergence"] is not None),
-                                      default=None)}
+    report = {"model": str(path), "model_sha256": sha256, "against": against, **report}
     if as_json:
         click.echo(json.dumps(report))
         return
-    click.echo(f"{Path(path).name}: route {' '.join(report['route'])} against the whole model, {len(PROMPTS)} prompts "
+    route = " ".join(f"{s['layers']}:{s['backend']}" for s in report["route"])
+    click.echo(f"{Path(path).name}: route {route} against the whole model on the CPU, {len(report['prompts'])} prompts "
                f"x {n_tokens} tokens (teacher-forced)")
+    for s in report["route"]:
+        vram = f", VRAM {s['vram_bytes'] / (1 << 20):.0f} MiB" if s.get("vram_bytes") else ""
+        click.echo(f"  stage {s['layers']}: {s['backend']} ({s['device']}), RSS {s['rss_bytes'] / (1 << 20):.0f} MiB{vram}")
     click.echo(f"{'prompt':<40} {'top-1 agreement':>15} {'max |dlogit|':>12} {'max KL':>10} {'first divergence':>16}")
-    for r in results:
+    for r in report["prompts"]:
         first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
         click.echo(f"{r['prompt'][:40]:<40} {r['top1_agreement']:>15.3f} {r['max_abs_logit_diff']:>12.4g} "
                    f"{r['max_kl']:>10.3g} {first:>16}")
+    click.echo(f"decode: route {report['route_decode_tok_s']:.1f} tok/s, whole model on the CPU in this process "
+               f"{report['whole_decode_tok_s']:.1f} tok/s (medians over the prompts)")
 
 
 @main.command()

@@ -28,6 +28,7 @@ from .layers import LayerRange
 PR_SET_PDEATHSIG = 1
 STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
 STDERR_TAIL_LINES = 12
+ALL_IN_GRACE = 2.0      # seconds every worker may be registered without a route forming
 
 
 def _worker_child() -> None:
@@ -124,6 +125,7 @@ class LocalCluster:
         worker_log: str | None = None,
         pin_cpus: bool = True,
         secure: bool = False,
+        gpu_stages: Sequence[int] = (),
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -135,6 +137,7 @@ class LocalCluster:
         if heartbeat_liveness is not None:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
+        self.gpu_stages = set(gpu_stages)   # route positions whose worker runs on the GPU (worker --gpu)
         # fresh CURVE keys for this run: the coordinator's, one per worker, all in a private
         # directory that goes with the cluster
         self.keys_dir = None
@@ -170,6 +173,8 @@ class LocalCluster:
         if self.pin_cpus:
             cpus = sorted(os.sched_getaffinity(0))
             args += ["--cpu", str(cpus[index % len(cpus)])]
+        if index in self.gpu_stages:
+            args.append("--gpu")
         if self.keys_dir is not None:
             keys = Path(self.keys_dir.name)
             args += ["--secret", str(keys / "allowed" / f"worker-{index}.key_secret"),
@@ -188,6 +193,7 @@ class LocalCluster:
                 self.spawn_worker(layers)
             deadline = time.monotonic() + timeout
             stopped_since: dict[tuple[int, int], float] = {}
+            all_in_since = None
             while True:
                 self._check_children(stopped_since)
                 try:
@@ -196,6 +202,14 @@ class LocalCluster:
                 except MeshnetError:
                     if time.monotonic() > deadline:
                         raise
+                    # every child has registered its range and still there is no route (a
+                    # worker of another class, without allow_mixed): nobody else is coming
+                    if len([w for w in self.coordinator.workers_snapshot() if "layers" in w]) >= len(self.ranges):
+                        all_in_since = all_in_since or time.monotonic()
+                        if time.monotonic() - all_in_since > ALL_IN_GRACE:
+                            raise
+                    else:
+                        all_in_since = None
         except BaseException:
             self.close()
             raise

@@ -10,7 +10,9 @@ one backend it must be exactly 0.
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -57,14 +59,17 @@ class DriftMeter:
             whole.open_session(SESSION)
             try:
                 steps, pos, feed = [], 0, list(prompt_tokens)
+                t_decode = None   # from the end of the prompt's step: the rest are one-token decode steps
                 for token, route_logits in zip(tokens, logits):
                     out = whole.forward([Entry(SESSION, pos, tokens=np.asarray(feed, dtype=np.int32))])
+                    t_decode = t_decode or time.perf_counter()
                     reference = out.logits[0]
                     steps.append({"top1_agrees": int(np.argmax(reference)) == int(token),
                                   "max_abs_logit_diff": float(np.max(np.abs(reference - route_logits))),
                                   "kl": kl_divergence(reference, route_logits)})
                     pos += len(feed)
                     feed = [token]
+                decode_s = time.perf_counter() - t_decode if t_decode else 0.0
             finally:
                 whole.release_session(SESSION)
         return {
@@ -74,6 +79,7 @@ class DriftMeter:
             "max_abs_logit_diff": max((s["max_abs_logit_diff"] for s in steps), default=None),
             "max_kl": max((s["kl"] for s in steps), default=None),
             "first_divergence": next((k for k, s in enumerate(steps) if not s["top1_agrees"]), None),
+            "decode_tok_s": (len(steps) - 1) / decode_s if len(steps) > 1 and decode_s > 0 else None,
         }
 
     def close(self) -> None:
@@ -81,3 +87,55 @@ class DriftMeter:
             if self._pipeline is not None:
                 self._pipeline.close()
                 self._pipeline = None
+
+
+def measure_route(cluster, model_path: str | Path, n_tokens: int, n_threads: int = 0) -> dict:
+    """`meshnet drift`: the bench prompts through CLUSTER's route, greedy, and the whole
+    model (on the CPU, in this process) teacher-forced with the route's tokens. Each prompt
+    runs twice on the route: once for its logits, once without them for the decode rate.
+    Raises what the route raises when it cannot form (a mixed one without allow_mixed)."""
+    from .bench import PROMPTS
+
+    meter = DriftMeter(model_path, n_ctx=1024, n_threads=n_threads)
+    try:
+        with cluster:
+            coordinator = cluster.coordinator
+            prompts = []
+            for prompt in PROMPTS:
+                tokens = coordinator.tokenize(prompt)
+                timed = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600)
+                run = coordinator.generate(tokens, n_tokens, want_logits=True, stop_at_eog=False).result(600)
+                measured = meter.measure(tokens, run.tokens, run.logits)
+                prompts.append({"prompt": prompt, **{k: measured[k] for k in (
+                    "top1_agreement", "max_abs_logit_diff", "max_kl", "first_divergence")},
+                    "route_decode_tok_s": timed.metrics["decode_tok_s"], "whole_decode_tok_s": measured["decode_tok_s"],
+                    "runs_agree": timed.tokens == run.tokens})
+            route = route_stages(coordinator)
+    finally:
+        meter.close()
+    return {
+        "route": route,
+        "mixed": len({s["backend"] for s in route}) > 1,
+        "tokens": n_tokens,
+        "prompts": prompts,
+        "top1_agreement": min(p["top1_agreement"] for p in prompts),
+        "max_abs_logit_diff": max(p["max_abs_logit_diff"] for p in prompts),
+        "max_kl": max(p["max_kl"] for p in prompts),
+        "first_divergence": min((p["first_divergence"] for p in prompts if p["first_divergence"] is not None),
+                                default=None),
+        "route_decode_tok_s": statistics.median(p["route_decode_tok_s"] for p in prompts),
+        "whole_decode_tok_s": statistics.median(p["whole_decode_tok_s"] for p in prompts),
+    }
+
+
+def route_stages(coordinator) -> list[dict]:
+    """Each stage of the route: its layers, backend and device (from the worker's
+    capability) and its memory: RSS and, on a GPU, VRAM (from its HEALTH)."""
+    capabilities = {w["name"]: w for w in coordinator.workers_snapshot()}
+    stages = []
+    for stage in coordinator.metrics()["stages"]:
+        capability = capabilities.get(stage["worker"], {})
+        stages.append({"layers": stage["stage"], "backend": capability.get("backend"),
+                       "device": capability.get("device"), "rss_bytes": stage.get("rss_bytes"),
+                       "vram_bytes": stage.get("vram_bytes"), "model_bytes": stage.get("model_bytes")})
+    return stages

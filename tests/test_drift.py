@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+from pathlib import Path
 
 from meshnet.drift import kl_divergence
 
@@ -29,7 +31,50 @@ def test_a_cpu_route_drifts_by_exactly_nothing(smollm2_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["route"] == ["[0,11)", "[11,22)", "[22,30)"] and report["against"] == "whole"
-    assert len(report["prompts"]) == 4
+    assert [s["layers"] for s in report["route"]] == ["[0,11)", "[11,22)", "[22,30)"] and report["against"] == "whole"
+    assert all(s["backend"] == "CPU" and s["rss_bytes"] > 0 and s["vram_bytes"] == 0 for s in report["route"])
+    assert not report["mixed"] and len(report["prompts"]) == 4
     assert report["top1_agreement"] == 1.0 and report["max_abs_logit_diff"] == 0.0 and report["max_kl"] == 0.0
     assert report["first_divergence"] is None
+    assert all(p["runs_agree"] for p in report["prompts"])      # the timed run gave the same tokens
+    assert report["route_decode_tok_s"] > 0 and report["whole_decode_tok_s"] > 0
+
+
+def test_a_gpu_stage_without_a_gpu_engine_is_refused_with_a_clear_error(smollm2_path):
+    # no GPU engine built (this machine has no GPU): the worker names the make target
+    if not (Path(__file__).resolve().parent.parent / "build" / "cuda" / "libmeshnet_engine.so").exists():
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--model", smollm2_path, "--stages", "2",
+                                 "--gpu", "0", "--tokens", "2", "--threads", str(THREADS)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 4 and "worker for layers [0,19) exited" in result.stderr
+        assert "[engine_missing] a GPU stage needs the GPU engine" in result.stderr and "make GPU=cuda" in result.stderr
+    # a process running the CPU engine is not given a GPU stage quietly on the CPU
+    from meshnet import engine, errors
+    from meshnet.errors import MeshnetError
+
+    if engine.library() is not None and engine._lib_path == engine.DEFAULT_LIBRARY:
+        with pytest.raises(MeshnetError) as refused:
+            engine.Stage(smollm2_path, (0, 10), n_ctx=64, max_sessions=1, gpu=True)
+        assert refused.value.code == errors.NO_GPU and "a GPU stage runs in a process of its own" in refused.value.message
+
+
+def test_the_cpu_engine_refuses_a_gpu_stage_in_its_own_words(smollm2_path):
+    from meshnet import engine, errors
+
+    lib = engine._ffi.dlopen(str(engine.DEFAULT_LIBRARY))
+    path = engine._ffi.new("char[]", smollm2_path.encode())
+    params = engine._ffi.new("meshnet_stage_params *", {"model_path": path, "layer_start": 0, "layer_end": 10,
+                                                        "n_ctx": 64, "max_sessions": 1, "n_batch": 8, "gpu": 1})
+    out, err = engine._ffi.new("meshnet_stage **"), engine._ffi.new("char[]", 512)
+    status = lib.meshnet_stage_open(params, out, err, len(err))
+    assert engine.STATUS_CODES[status] == errors.NO_GPU and out[0] == engine._ffi.NULL
+    assert "built for the CPU alone" in engine._ffi.string(err).decode() and "make GPU=cuda" in engine._ffi.string(err).decode()
+
+
+def test_drift_takes_gpu_positions_inside_the_route():
+    result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--stages", "2", "--gpu", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "positions 0 to 1" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--gpu", "head"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--gpu takes stage positions" in result.stderr
