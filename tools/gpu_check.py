@@ -103,8 +103,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.log"
     manifest = {"kind": "gpu-check", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-                or None, "machine": gpu_identity(), "tokens": args.tokens, "models": {}, "checks": []}
+                # a copy without .git (a device machine's) is told its commit
+                "commit": os.environ.get("GPU_CHECK_COMMIT") or subprocess.run(
+                    ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip() or None, "machine": gpu_identity(), "tokens": args.tokens, "models": {}, "checks": []}
     build_time = out / "build-time.txt"
     if build_time.exists():
         manifest["build"] = build_time.read_text().strip()
