@@ -37,7 +37,7 @@ CONFIGS = {            # name: (stages, --gpu positions, --allow-mixed)
     "tail-gpu": (2, "1", True),
 }
 REFUSALS = {"head-gpu-refused": (2, "0"), "tail-gpu-refused": (2, "1")}
-RUN_TIMEOUT = 600
+RUN_TIMEOUT = int(os.environ.get("GPU_CHECK_RUN_TIMEOUT", "600"))   # seconds per drift run
 
 
 def sha256_of(path: Path) -> str:
