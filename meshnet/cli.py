@@ -578,7 +578,9 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
                f"x {n_tokens} tokens (teacher-forced)")
     for s in report["route"]:
         vram = f", VRAM {s['vram_bytes'] / (1 << 20):.0f} MiB" if s.get("vram_bytes") else ""
-        click.echo(f"  stage {s['layers']}: {s['backend']} ({s['device']}), RSS {s['rss_bytes'] / (1 << 20):.0f} MiB{vram}")
+        compute = f", {s['compute_us_per_forward'] / 1e3:.2f} ms per forward" if s.get("compute_us_per_forward") else ""
+        click.echo(f"  stage {s['layers']}: {s['backend']} ({s['device']}), RSS {s['rss_bytes'] / (1 << 20):.0f} MiB"
+                   f"{vram}{compute}")
     click.echo(f"{'prompt':<40} {'top-1 agreement':>15} {'max |dlogit|':>12} {'max KL':>10} {'first divergence':>16}")
     for r in report["prompts"]:
         first = "-" if r["first_divergence"] is None else str(r["first_divergence"])

@@ -135,7 +135,11 @@ def route_stages(coordinator) -> list[dict]:
     stages = []
     for stage in coordinator.metrics()["stages"]:
         capability = capabilities.get(stage["worker"], {})
+        forwards = stage.get("forwards") or 0
         stages.append({"layers": stage["stage"], "backend": capability.get("backend"),
                        "device": capability.get("device"), "rss_bytes": stage.get("rss_bytes"),
-                       "vram_bytes": stage.get("vram_bytes"), "model_bytes": stage.get("model_bytes")})
+                       "vram_bytes": stage.get("vram_bytes"), "model_bytes": stage.get("model_bytes"),
+                       # nearly all of a drift run's forwards are one-token decode steps
+                       "compute_us_per_forward": stage.get("compute_us_total", 0) / forwards if forwards else None,
+                       "hop_us_p50": stage.get("hop_us_p50")})
     return stages

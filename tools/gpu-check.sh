@@ -54,8 +54,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # cuBLAS from a pip package when the toolkit has none: CMake wants its plain .so name
 cuda_cmake_args=""
 nvcc_root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-if ! ls "$nvcc_root"/lib64/libcublas.so "$nvcc_root"/lib/libcublas.so /usr/local/cuda/lib64/libcublas.so \
-        /usr/lib/x86_64-linux-gnu/libcublas.so >/dev/null 2>&1; then
+toolkit_cublas=no
+for candidate in "$nvcc_root"/lib64 "$nvcc_root"/lib /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+    [ -e "$candidate/libcublas.so" ] && toolkit_cublas=yes
+done
+if [ "$toolkit_cublas" = no ]; then
     found=$(find / -xdev -name 'libcublas.so.*' -path '*nvidia*' 2>/dev/null | head -1 || true)
     if [ -n "$found" ]; then
         libdir=$(dirname "$found")

@@ -155,18 +155,21 @@ def main() -> int:
 
 
 def drift_table(manifest: dict) -> str:
-    rows = ["| model | route | top-1 agreement | max abs logit diff | max KL | first divergence | decode tok/s | VRAM MiB |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | route | top-1 agreement | max abs logit diff | max KL | first divergence | decode tok/s | VRAM MiB "
+            "| compute ms per forward, by stage |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, model in manifest["models"].items():
         for config, report in model["runs"].items():
             if "route" not in report:
-                rows.append(f"| {name} | {config} | exit {report['exit']}: {report['error'][:120]} | | | | | |")
+                rows.append(f"| {name} | {config} | exit {report['exit']}: {report['error'][:120]} | | | | | | |")
                 continue
             route = " + ".join(f"{s['layers']} {s['backend']}" for s in report["route"])
             vram = sum(s["vram_bytes"] or 0 for s in report["route"]) / (1 << 20)
             first = "-" if report["first_divergence"] is None else report["first_divergence"]
+            compute = " / ".join(f"{(s['compute_us_per_forward'] or 0) / 1e3:.2f}" for s in report["route"])
             rows.append(f"| {name} | {config}: {route} | {report['top1_agreement']:.3f} | {report['max_abs_logit_diff']:.4g} "
-                        f"| {report['max_kl']:.3g} | {first} | {report['route_decode_tok_s']:.1f} | {vram:.0f} |")
+                        f"| {report['max_kl']:.3g} | {first} | {report['route_decode_tok_s']:.1f} | {vram:.0f} "
+                        f"| {compute} |")
     return "\n".join(rows)
 
 
