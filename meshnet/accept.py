@@ -381,5 +381,9 @@ def _readme(m: dict) -> str:
         lines += ["", f"Parity session: TTFT {session['ttft_ms']:.1f} ms, prefill {session['prefill_tok_s']:.1f} tok/s, "
                       f"decode {session['decode_tok_s']:.1f} tok/s, hop p50 {session['hop_us_p50']:.0f} us / "
                       f"p99 {session['hop_us_p99']:.0f} us, seam {session['seam_bytes']} bytes."]
+    memory = [f"{s['stage']} RSS {s['rss_bytes'] / 2**20:.0f} MiB, VRAM {(s.get('vram_bytes') or 0) / 2**20:.0f} MiB"
+              for s in m["metrics"].get("stages", []) if s.get("rss_bytes") is not None]
+    if memory:
+        lines += ["", f"Memory per stage at the end of the run: {'; '.join(memory)}."]
     lines += ["", "Commands:", "", *[f"    {c}" for c in m["commands"]], ""]
     return "\n".join(lines)

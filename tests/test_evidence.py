@@ -53,7 +53,9 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
     assert checks["standby_replaces_lost_stage"]["new_session_ok"]
     assert manifest["identity"]["model"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert manifest["metrics"]["session"]["decode_tok_s"] > 0
-    assert all(s["rss_bytes"] > 0 for s in manifest["metrics"]["stages"])
+    assert all(s["rss_bytes"] > 0 and s["vram_bytes"] == 0 for s in manifest["metrics"]["stages"])   # CPU stages
+    (run_dir,) = tmp_path.iterdir()
+    assert "Memory per stage at the end of the run: [0,19) RSS" in (run_dir / "README.md").read_text()
 
 
 def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path):
@@ -103,6 +105,7 @@ def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
         finally:
             server.close()
     assert 'meshnet_stage_rss_bytes{stage="[0,15)"' in text
+    assert 'meshnet_stage_vram_bytes{stage="[0,15)"' in text and status["stages"][0]["vram_bytes"] == 0   # CPU
     assert "meshnet_hop_latency_us_p50" in text and 'meshnet_sessions_total{outcome="completed"} 1' in text
     tail = status["stages"][1]
     assert tail["stage"] == "[15,30)"
