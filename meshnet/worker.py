@@ -240,15 +240,19 @@ class StageWorker:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * (self.max_payload + P.MAX_HEADER_BYTES))
         if self.config.keys is not None:
             security.client(sock, self.config.keys, self.config.coordinator_key)
+        # watched before it connects: on loopback the connection (and a refused handshake's
+        # drop) can come before a monitor attached afterwards would see it
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                          | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             sock.connect(self.config.coordinator)
         except zmq.ZMQError as e:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
                                "an address looks like tcp://127.0.0.1:5555") from None
-        self.dealer = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                               | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.dealer, self.monitor = sock, monitor
         self.handshake_state = "none"
         self.disconnected_at: float | None = None
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
