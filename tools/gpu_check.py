@@ -71,7 +71,7 @@ def drift(model: Path, stages: int, gpu: str | None, allow_mixed: bool, tokens: 
     except subprocess.TimeoutExpired as e:
         code, stdout, stderr = 124, e.stdout or "", (e.stderr or "") + f"\ntimed out after {RUN_TIMEOUT} s"
     with open(log, "a") as f:
-        f.write(f"$ {' '.join(args)}\n[{time.monotonic() - started:.1f} s, exit {code}]\n{stderr}\n")
+        f.write(f"$ {' '.join(args)}\n[{time.monotonic() - started:.1f} s, exit {code}]\n" + (stderr.rstrip() + "\n" if stderr.strip() else ""))
     report = None
     if code == 0:
         report = json.loads(stdout.strip().splitlines()[-1])
