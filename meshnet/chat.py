@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import secrets
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -20,10 +19,6 @@ from . import errors
 from .errors import MeshnetError
 from .sampling import MAX_SEED, Sampling
 
-# the coordinator reports a session cancelled at once, and its stages free its slot as the
-# cancel reaches them: a turn right after a Ctrl-C may find the slot taken for a moment
-OPEN_RETRIES = 20
-OPEN_RETRY_S = 0.05
 SETTLE_S = 10.0          # how long a cancelled session may take to say it has ended
 
 
@@ -175,20 +170,12 @@ class Chat:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         handle = None
         try:
-            for attempt in range(OPEN_RETRIES + 1):
-                handle = self.coordinator.generate(tokens, self.max_tokens,
-                                                   sampling=answer_sampling(self.sampling, self.seed_given))
-                try:
-                    for event in handle:
-                        text = decoder.decode(event.piece)
-                        self._say(text)
-                        shown.append(text)
-                    break
-                except MeshnetError as e:
-                    if e.code != errors.TOO_MANY_SESSIONS or shown or attempt == OPEN_RETRIES:
-                        raise
-                    handle = None
-                    time.sleep(OPEN_RETRY_S)
+            handle = self.coordinator.generate(tokens, self.max_tokens,
+                                               sampling=answer_sampling(self.sampling, self.seed_given))
+            for event in handle:
+                text = decoder.decode(event.piece)
+                self._say(text)
+                shown.append(text)
         except KeyboardInterrupt:
             if handle is not None:
                 handle.cancel()

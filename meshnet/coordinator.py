@@ -932,9 +932,9 @@ class Coordinator:
         session.gen = session.gen.replay()
         # the prompt's chunks as they were, unless the new route takes less at once
         # (its floats may then differ: the note says which chunking ran)
-        if max(b - a for a, b in zip([0] + session.gen.chunk_ends, session.gen.chunk_ends)) > min(
-                w.capability["n_batch"] for w in route):
-            session.gen.chunk = min(w.capability["n_batch"] for w in route)
+        n_batch = min(w.capability["n_batch"] for w in route)
+        if max(b - a for a, b in zip([0] + session.gen.chunk_ends, session.gen.chunk_ends)) > n_batch:
+            session.gen.chunk = n_batch
             session.gen.chunk_ends = None
         session.resumes.append({"stage": error.context.get("stage"), "worker": error.context.get("worker"),
                                 "replayed_tokens": len(session.gen.prompt), "generated_before": session.gen.replayed,

@@ -38,8 +38,6 @@ from .errors import MeshnetError
 from .metrics import prometheus_text
 from .sampling import Sampling
 
-OPEN_RETRIES = 20        # a session that just ended frees its slot on the stages a moment later
-OPEN_RETRY_S = 0.05
 RETRY_AFTER_S = 1
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
@@ -232,25 +230,14 @@ class Session:
     def _run(self, coordinator, tokens, max_tokens, sampling, slots) -> None:
         final = ("error", MeshnetError(errors.CANCELLED, "the request was cancelled"))
         try:
-            for attempt in range(OPEN_RETRIES + 1):
-                with self.lock:
-                    if self.cancelled:
-                        break
+            with self.lock:
+                if not self.cancelled:
                     self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling)
-                started = False
-                try:
-                    for event in self.handle:
-                        started = True
-                        self._put("token", event)
-                    final = ("done", self.handle.stop_reason)
-                    break
-                except MeshnetError as e:
-                    final = ("error", e)
-                    if e.code == errors.TOO_MANY_SESSIONS and not started and attempt < OPEN_RETRIES:
-                        time.sleep(OPEN_RETRY_S)
-                        continue
-                    break
-        except Exception as e:   # generate's own checks of the request, and what nobody foresaw
+            if self.handle is not None:
+                for event in self.handle:
+                    self._put("token", event)
+                final = ("done", self.handle.stop_reason)
+        except Exception as e:   # the session's error, generate's own checks of the request, and what nobody foresaw
             final = ("error", e if isinstance(e, MeshnetError) else MeshnetError(errors.INTERNAL, repr(e)))
         finally:
             slots.give(self)   # before the last event: whoever has seen it finds the slot free
