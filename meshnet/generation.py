@@ -82,6 +82,11 @@ class Finish:
 Action = FeedHead | Token | Finish
 
 
+def even_chunk_ends(n: int, chunk: int) -> list[int]:
+    """Where the chunks of n prompt tokens end, chunk tokens each but the last."""
+    return list(range(chunk, n, chunk)) + [n]
+
+
 @dataclass
 class Generation:
     prompt: Sequence[int]
@@ -125,7 +130,7 @@ class Generation:
         if self.t_start is None:
             self.t_start = self.clock()
         if self.chunk_ends is None:   # the chunk is the route's to bound until now
-            self.chunk_ends = list(range(self.chunk, len(self.prompt), self.chunk)) + [len(self.prompt)]
+            self.chunk_ends = even_chunk_ends(len(self.prompt), self.chunk)
         return [self._next_chunk()]
 
     def replay(self) -> "Generation":
@@ -135,7 +140,7 @@ class Generation:
         if self.done:
             raise MeshnetError(E.INTERNAL, "a finished generation has nothing to replay")
         n_prompt = self.n_prompt
-        prompt_ends = (self.chunk_ends or list(range(self.chunk, n_prompt, self.chunk)) + [n_prompt])
+        prompt_ends = self.chunk_ends or even_chunk_ends(n_prompt, self.chunk)
         prompt_ends = [end for end in prompt_ends if end <= n_prompt]
         ends = prompt_ends + [n_prompt + i + 1 for i in range(len(self.tokens))]
         return Generation(list(self.prompt[:n_prompt]) + self.tokens, self.rule, self.chunk,

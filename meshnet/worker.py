@@ -136,8 +136,7 @@ class StageWorker:
         self.handshake_failures = 0
         self.gatekeeper: Gatekeeper | None = None
         if config.layers is not None:
-            self._serve(Stage(config.model_path, config.layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                              n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu))
+            self._serve(self._load(config.layers))
         else:
             self._wait_for_a_range()
         self.dealer: zmq.Socket | None = None
@@ -161,6 +160,12 @@ class StageWorker:
             P.TEMPLATE: self._template,
             P.ASSIGN: self._assign,
         }
+
+    def _load(self, layers) -> Stage:
+        """The engine stage for these layers, as this worker's options say."""
+        config = self.config
+        return Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
+                     n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu)
 
     def _common_capability(self, n_layer: int, arch: str, n_embd: int, n_vocab: int) -> dict:
         return {
@@ -371,9 +376,7 @@ class StageWorker:
 
         def load():
             try:
-                future.set_result(Stage(self.config.model_path, (start, end), n_ctx=self.config.n_ctx,
-                                        max_sessions=self.config.max_sessions, n_batch=self.config.n_batch,
-                                        n_threads=self.config.n_threads, gpu=self.config.gpu))
+                future.set_result(self._load((start, end)))
             except BaseException as e:  # handed to the socket loop, which answers with it
                 future.set_exception(e)
         threading.Thread(target=load, name="meshnet-load", daemon=True).start()

@@ -2,11 +2,9 @@
 with its history, streamed answers, Ctrl-C and Ctrl-D in a real terminal."""
 
 import io
-import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -21,7 +19,7 @@ from meshnet.gguf_layout import read_layout
 from meshnet.pipeline import LocalPipeline
 from meshnet.sampling import Sampling
 
-from conftest import THREADS
+from conftest import THREADS, last_json_line, meshnet
 from peers import alive
 
 PROMPT = "\r\n> "   # the chat's prompt at the start of a line, as the terminal shows it
@@ -252,14 +250,6 @@ def test_meshnet_chat_ends_with_the_error_when_no_route_is_left():
 
 
 # meshnet run --chat: one answer
-
-def meshnet(*args):
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def last_json_line(stdout):
-    return json.loads(stdout.strip().splitlines()[-1])
-
 
 def test_run_chat_answers_one_message_through_the_template_on_workers_and_in_process(smollm2_path):
     message = "What is the capital of France?"

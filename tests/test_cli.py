@@ -12,16 +12,8 @@ from meshnet.engine import engine_pin  # noqa: F401  (fails early when the engin
 from meshnet.gguf_layout import read_layout
 from meshnet.pipeline import LocalPipeline
 
-from conftest import THREADS
+from conftest import THREADS, last_json_line, meshnet
 from peers import alive
-
-
-def meshnet(*args):
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def last_json_line(stdout):
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def test_run_with_no_arguments_splits_the_default_model_and_continues_the_prompt(smollm2_path):
