@@ -30,7 +30,9 @@ PROMPTS = [
     "The river rose slowly all through the night, and by morning the low fields along its banks had become a "
     "single grey lake, with only the tops of the fences showing where the roads had been.",
 ]
-CONFIGS = ("whole", "stages", "workers")
+# workers: local worker processes as meshnet run starts them, with fresh CURVE keys;
+# plain: the same without keys (--insecure), to measure what the keys cost
+CONFIGS = ("whole", "stages", "workers", "plain")
 CONCURRENT_DECODE = 2   # concurrent sessions decode this many times --decode: a window when all decode at once
 
 
@@ -103,17 +105,21 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             closers.append(staged.close)
             in_process("stages", staged)
             samples["stages"] = Samples(f"{n_stages} stages, 1 process")
-        if "workers" in configs:
-            cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=max(sessions, 1)).start()
+        clusters = {}
+        for label, secure, what in (("workers", True, "worker processes"), ("plain", False, "workers, no keys")):
+            if label not in configs:
+                continue
+            cluster = clusters[label] = LocalCluster(path, ranges, threads=threads, n_ctx=1024,
+                                                     max_sessions=max(sessions, 1), secure=secure).start()
             closers.append(cluster.close)
-            coordinator = cluster.coordinator
-            runners["workers"] = lambda tokens: coordinator.generate(tokens, n_decode + 1,
-                                                                     stop_at_eog=False).result().metrics
-            concurrent["workers"] = lambda prompts: [h.result().token_times for h in [
-                coordinator.generate(t, CONCURRENT_DECODE * n_decode, stop_at_eog=False) for t in prompts]]
-            samples["workers"] = Samples(f"{n_stages} worker processes")
+            runners[label] = lambda tokens, c=cluster.coordinator: c.generate(tokens, n_decode + 1,
+                                                                              stop_at_eog=False).result().metrics
+            concurrent[label] = lambda prompts, c=cluster.coordinator: [h.result().token_times for h in [
+                c.generate(t, CONCURRENT_DECODE * n_decode, stop_at_eog=False) for t in prompts]]
+            samples[label] = Samples(f"{n_stages} {what}")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
-        prompt_tokens = [tokenizer.tokenize(p) if tokenizer else cluster.coordinator.tokenize(p) for p in PROMPTS]
+        prompt_tokens = [tokenizer.tokenize(p) if tokenizer else next(iter(clusters.values())).coordinator.tokenize(p)
+                         for p in PROMPTS]
         batch = [prompt_tokens[i % len(prompt_tokens)] for i in range(sessions)]
         for label, run in runners.items():  # warm-up: first-touch allocations and caches
             run(prompt_tokens[0][:16])
@@ -130,8 +136,8 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         for label in ("whole", "stages"):
             if label in samples:
                 samples[label].rss_bytes = [in_process_rss]  # this process holds both: shown with a mark
-        if "workers" in samples:
-            samples["workers"].rss_bytes = [s.get("rss_bytes", 0) for s in cluster.coordinator.metrics()["stages"]]
+        for label, cluster in clusters.items():
+            samples[label].rss_bytes = [s.get("rss_bytes", 0) for s in cluster.coordinator.metrics()["stages"]]
     finally:
         for close in reversed(closers):
             close()
@@ -156,6 +162,9 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         if "workers" in samples and "stages" in samples and getattr(samples["stages"], key):
             report[f"workers_over_stages_{key}"] = (statistics.median(getattr(samples["workers"], key))
                                                     / statistics.median(getattr(samples["stages"], key)))
+        if "workers" in samples and "plain" in samples and getattr(samples["plain"], key):
+            report[f"keys_over_plain_{key}"] = (statistics.median(getattr(samples["workers"], key))
+                                                / statistics.median(getattr(samples["plain"], key)))
     return report
 
 
@@ -189,6 +198,9 @@ def format_report(report: dict) -> str:
     for key, what in (("decode_tok_s", "one session"), ("aggregate_decode_tok_s", f"{n} sessions")):
         if f"workers_over_stages_{key}" in report:
             lines.append(f"workers / stages in one process, {what}: {report[f'workers_over_stages_{key}']:.3f}")
+        if f"keys_over_plain_{key}" in report:
+            lines.append(f"workers with CURVE keys (the default) / without, {what}: "
+                         f"{report[f'keys_over_plain_{key}']:.3f}")
     workers = report["configs"].get("workers")
     if workers and workers["decode_seam_bytes_per_token"]:
         lines.append(f"decode: {workers['decode_seam_bytes_per_token']['median']:.0f} B per token per seam "

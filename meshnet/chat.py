@@ -22,11 +22,12 @@ from .sampling import MAX_SEED, Sampling
 SETTLE_S = 10.0          # how long a cancelled session may take to say it has ended
 
 
-def prompt_tokens(coordinator, messages: Sequence[dict]) -> list[int]:
+def prompt_tokens(coordinator, messages: Sequence[dict], limit: int | None = None) -> list[int]:
     """The conversation as the model expects to continue it: its template, then its tokens
-    (the template's markers are special tokens, so they are parsed as such)."""
-    text = coordinator.chat_prompt(list(messages), add_generation_prompt=True)
-    return coordinator.tokenize(text, add_special=True, parse_special=True)
+    (the template's markers are special tokens, so they are parsed as such). With a
+    limit, a conversation of more tokens is refused with context_full."""
+    text = coordinator.chat_prompt(list(messages), add_generation_prompt=True, limit=limit)
+    return coordinator.tokenize(text, add_special=True, parse_special=True, limit=limit)
 
 
 def answer_sampling(sampling: Sampling | None, seed_given: bool) -> Sampling | None:

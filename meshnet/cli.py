@@ -17,6 +17,11 @@ from .layers import LayerRange, parse_seams
 DEFAULT_PROMPT = "The capital of France is"
 
 
+def _figure(value, fmt: str = "{:.1f}") -> str:
+    """A measured figure for a summary line, or "-" where there was nothing to measure."""
+    return "-" if value is None else fmt.format(value)
+
+
 def _fail(error: MeshnetError):
     click.echo(f"error: {error}", err=True)
     sys.exit(exit_status(error.code))
@@ -76,6 +81,14 @@ def _nodes(ctx, param, values):
         raise click.BadParameter(e.message) from None
 
 
+def _local_keys_option(command):
+    """Local workers talk to their coordinator over CURVE with keys made for the run, so
+    that no other process on this machine can join the route or read its prompts."""
+    return click.option("--secure/--insecure", default=True, show_default=True,
+                        help="fresh CURVE keys on every link between the coordinator and its local workers; "
+                             "--insecure: plain links, which any local process can join")(command)
+
+
 def _resume_options(command):
     """A session that loses a stage is replayed on a new route: at once when one stands
     ready (a spare), or when one forms within --resume-wait seconds."""
@@ -129,7 +142,7 @@ def _sampling(flags: dict):
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=2048, show_default=True, help="context tokens")
 @click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
-@click.option("--secure", is_flag=True, help="CURVE on every link between the coordinator and its workers, with fresh keys")
+@_local_keys_option
 @_sampling_options
 @_resume_options
 def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure,
@@ -156,8 +169,7 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
             if split is not None
             else layout.balanced_ranges(stages or 2)
         )
-        if in_process and secure:
-            raise click.UsageError("--secure is for worker processes; --in-process has no links to secure")
+        secure = secure and not in_process   # one process has no links to secure
         stream = None if as_json else _TextStreamer(prompt if chat_message is None else "")
         if in_process:
             tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
@@ -176,13 +188,13 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
         click.echo(json.dumps({"tokens": tokens, "text": text, "metrics": metrics}))
         return
     stream.finish()
-    decode = f"{metrics['decode_tok_s']:.1f}" if metrics["decode_tok_s"] else "-"
-    hops = f", hop p50 {metrics['hop_us_p50']:.0f} us" if "hop_us_p50" in metrics else ""
+    # a figure that was not measured (one stage has no hop; one token, no decode rate) shows as "-"
+    hops = f", hop p50 {_figure(metrics.get('hop_us_p50'), '{:.0f}')} us" if len(ranges) > 1 else ""
     click.echo(
-        f"[{len(ranges)} stages {' '.join(r.label for r in ranges)}"
+        f"[{len(ranges)} stage{'s' if len(ranges) > 1 else ''} {' '.join(r.label for r in ranges)}"
         f"{' in-process' if in_process else ' as worker processes'}{', CURVE on every link' if secure else ''}] "
-        f"prompt {metrics['prompt_tokens']} tok, ttft {metrics['ttft_ms']:.0f} ms, "
-        f"prefill {metrics['prefill_tok_s']:.1f} tok/s, decode {decode} tok/s{hops}, "
+        f"prompt {metrics['prompt_tokens']} tok, ttft {_figure(metrics.get('ttft_ms'), '{:.0f}')} ms, "
+        f"prefill {_figure(metrics.get('prefill_tok_s'))} tok/s, decode {_figure(metrics.get('decode_tok_s'))} tok/s{hops}, "
         f"{metrics['generated_tokens']} tokens ({stop_reason})",
         err=True,
     )
@@ -252,8 +264,9 @@ class _TextStreamer:
               help="context tokens: the conversation's oldest turns leave it when it is full")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="tokens per answer at most")
 @click.option("--system", default=None, help="a system message that opens the conversation (and stays in it)")
+@_local_keys_option
 @_sampling_options
-def chat(model, stages, threads, n_ctx, max_tokens, system, **sampling_flags):
+def chat(model, stages, threads, n_ctx, max_tokens, system, secure, **sampling_flags):
     """Talk with the model split into stages (worker processes on this machine), through its own chat template.
 
     Ctrl-C stops an answer, Ctrl-D quits."""
@@ -270,7 +283,7 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, **sampling_flags):
             utf8_or_error(system, "--system")
         path, _ = models.resolve(model)
         ranges = read_layout(path).balanced_ranges(stages or 2)
-        with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1) as cluster:
+        with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "
@@ -511,9 +524,11 @@ def _status_table(snapshot: dict) -> str:
             failures = f"SILENT (last heard {s.get('last_heard_s', 0):.1f} s ago: {s['unreachable']}); {failures}"
         rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "
                     f"{num('kv_bytes_used', mib):>11} {num('n_sessions', fmt='{:.0f}'):>8} {num('queue_depth', fmt='{:.0f}'):>5} "
-                    f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}")
+                    f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}"
+                    + ("" if s.get("in_route", True) else f"  NOT IN THE ROUTE: {s.get('kept_out') or 'no route'}"))
     sessions = ", ".join(f"{k} {v}" for k, v in snapshot["sessions"].items())
-    return "\n".join(rows) + f"\nsessions: {sessions}"
+    route = f"\nno route: {snapshot['route_error']}" if snapshot.get("route_error") else ""
+    return "\n".join(rows) + f"\nsessions: {sessions}" + route
 
 
 def _stage_indices(text: str) -> tuple[int, ...] | str:
@@ -596,8 +611,9 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="runs of each prompt per configuration")
 @click.option("--decode", "n_decode", type=click.IntRange(min=1), default=64, show_default=True, help="tokens decoded per run")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
-@click.option("--configs", default=",".join(("whole", "stages", "workers")), show_default=True,
-              help="which of whole, stages, workers to run")
+@click.option("--configs", default=",".join(("whole", "stages", "workers", "plain")), show_default=True,
+              help="which of whole, stages, workers (with CURVE keys, as meshnet run) and plain (workers without "
+                   "keys) to run")
 @click.option("--sessions", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="also run N concurrent sessions in each configuration and report their aggregate decode rate")
 @click.option("--json", "as_json", is_flag=True)
@@ -695,7 +711,8 @@ def plan(model, nodes, n_ctx, sessions, overhead, as_json):
                    "meshnet workers that connect to it")
 @click.option("--secret", "secret_file", default=None, help="with --coordinator: its CURVE key (NAME.key_secret)")
 @click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
-@click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key (--host)")
+@click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
+                                            "(--host); local workers: plain links instead of fresh CURVE keys")
 @_resume_options
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
           resume_wait, max_resumes):
@@ -723,7 +740,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
         options.update(resume_wait=resume_wait, max_resumes=max_resumes)
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or 2048, max_sessions=max_sessions or 8,
-                   echo=lambda line: click.echo(line, err=True))
+                   secure=not insecure, echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         _fail(e)
 

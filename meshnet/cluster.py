@@ -124,7 +124,7 @@ class LocalCluster:
         heartbeat_liveness: int | None = None,
         worker_log: str | None = None,
         pin_cpus: bool = True,
-        secure: bool = False,
+        secure: bool = True,
         gpu_stages: Sequence[int] = (),
         **coordinator_options,
     ):

@@ -31,11 +31,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import msgpack
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
+from . import endpoints
 from . import errors as E
 from .engine import utf8_or_error
 from .errors import MeshnetError
@@ -48,7 +50,8 @@ from . import security
 from .planner import OVERHEAD, ModelCost, Node, Settings, plan
 from .sampling import Sampling
 from .security import Gatekeeper, KeyPair
-from .tracker import StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability
+from .tracker import (StageOffer, choose_route, compat_class_of, head_gathers, offer_from_capability,
+                      shape_disagreement)
 
 log = logging.getLogger("meshnet.coordinator")
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -62,6 +65,7 @@ MAX_FRAMES = 3                 # a peer's identity, a header and at most one pay
 DATA_HWM = 10_000              # ZeroMQ high-water mark of the data sockets, messages
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
 CLOCK_PERIOD = 0.01            # seconds between checks of heartbeats, liveness and deadlines
+PAUSED_AFTER = 4               # heartbeat intervals between two turns of the loop that mean it was stopped
 
 
 @dataclass
@@ -74,6 +78,7 @@ class WorkerRecord:
     assigning: LayerRange | None = None   # the range it was told to load and has not yet offered
     public_key: str | None = None         # its CURVE key, as the handshake proved it (None without CURVE)
     assign_failed: str | None = None      # why loading its range failed: it is not planned for again
+    epoch: int = 0                        # its READY's: a higher one says it dropped its sessions
     sessions: set[int] = field(default_factory=set)
     # measured here: hop = round trip minus the worker's own time (its two timestamps)
     hops_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
@@ -234,6 +239,9 @@ class Coordinator:
         resume_wait: float = 0.0,
         max_resumes: int = 2,
     ):
+        endpoints.checked(bind, "--bind")
+        if data_bind is not None:
+            endpoints.checked(data_bind, "--data-bind")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_liveness = heartbeat_liveness
         self.prefill_chunk = prefill_chunk
@@ -415,27 +423,51 @@ class Coordinator:
         self._submit(lambda f: self._cancel_session(sid))
 
     def tokenize(self, text: str, timeout: float = 30.0, *, add_special: bool = True,
-                 parse_special: bool = False) -> list[int]:
+                 parse_special: bool = False, limit: int | None = None) -> list[int]:
         """As llama.cpp tokenizes for the model; a chat prompt (special tokens written out
-        by its template) wants parse_special."""
-        utf8_or_error(text, "the text")
-        return self._query_stage(0, P.TOKENIZE, {"text": text, "add_special": add_special,
-                                                 "parse_special": parse_special}).result(timeout)["tokens"]
+        by its template) wants parse_special. With a limit, a text of more tokens is
+        refused with context_full, at once when its length alone proves it."""
+        data = utf8_or_error(text, "the text")
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, timeout: float = 30.0) -> str:
+        def too_long(route: list[WorkerRecord]) -> None:
+            if len(data) > P.MAX_TEXT_BYTES:
+                raise MeshnetError(E.CONTEXT_FULL if limit else E.INVALID_ARGUMENT,
+                                   f"the text is {len(data)} bytes, more than the {P.MAX_TEXT_BYTES} tokenized at once")
+            per_token = route[0].capability.get("max_token_bytes")
+            if limit and per_token and len(data) > limit * _bytes_per_token_at_most(per_token):
+                raise MeshnetError(E.CONTEXT_FULL, f"the text is {len(data)} bytes, so at least "
+                                   f"{len(data) // _bytes_per_token_at_most(per_token)} tokens: more than {limit}",
+                                   field="prompt")
+        answer = self._query_stage(0, P.TOKENIZE, {"add_special": add_special, "parse_special": parse_special,
+                                                   "limit": limit}, payload=data, check=too_long).result(timeout)
+        return np.frombuffer(answer, dtype="<i4").tolist()
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, timeout: float = 30.0,
+                    limit: int | None = None) -> str:
         """The prompt text for these chat messages ([{"role", "content"}]), by the model's
-        own chat template, applied by llama.cpp on the head."""
+        own chat template, applied by llama.cpp on the head. With a limit (in tokens),
+        messages whose text alone is longer than that many tokens could be are refused
+        with context_full before they are sent."""
         if not isinstance(messages, list) or not messages:
             raise MeshnetError(E.INVALID_ARGUMENT, "a chat needs at least one message")
+        size = 0
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
                 raise MeshnetError(E.INVALID_ARGUMENT, f"message {i} is not {{'role': text, 'content': text}}")
-            utf8_or_error(m["content"], f"message {i}'s content")
-        return self._query_stage(0, P.TEMPLATE, {"messages": messages, "add_generation_prompt": add_generation_prompt}
-                                 ).result(timeout)["text"]
+            size += len(utf8_or_error(m["role"], f"message {i}'s role")) + len(utf8_or_error(m["content"], f"message {i}'s content"))
+
+        def too_long(route: list[WorkerRecord]) -> None:
+            per_token = route[0].capability.get("max_token_bytes")
+            if size > P.MAX_TEXT_BYTES or (limit and per_token and size > limit * _bytes_per_token_at_most(per_token)):
+                raise MeshnetError(E.CONTEXT_FULL, f"the messages are {size} bytes of text: more than a context "
+                                   f"of {limit} tokens could hold", field="messages")
+        answer = self._query_stage(0, P.TEMPLATE, {"add_generation_prompt": add_generation_prompt},
+                                   payload=msgpack.packb(messages, use_bin_type=True), check=too_long).result(timeout)
+        return answer.decode("utf-8", errors="replace")
 
     def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
-        return self._query_stage(-1, P.DETOKENIZE, {"tokens": list(tokens)}).result(timeout)["text"]
+        answer = self._query_stage(-1, P.DETOKENIZE, {}, payload=P.tokens_frame(list(tokens))).result(timeout)
+        return answer.decode("utf-8", errors="replace")
 
     def stage_stats(self, timeout: float = 10.0) -> list[dict]:
         """HEALTH of every registered worker (KV in use, sessions, queue depth), in layer order."""
@@ -454,13 +486,20 @@ class Coordinator:
 
         def ask(f):
             workers = sorted(self.workers.values(), key=lambda w: w.layer_order)
+            try:   # whether each worker is in the route, and why not
+                chosen = self._choose_route()
+                in_route, kept_out, route_error = {o.worker for o in chosen.stages}, chosen.kept_out, None
+            except MeshnetError as e:
+                in_route, kept_out, route_error = set(), {}, e.message
             mine = [{
                 "stage": w.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
                 "reply_errors": dict(w.errors), "last_heard_s": round(w.liveness.silent_for(), 3),
+                "in_route": w.name in in_route,
+                "kept_out": kept_out.get(w.name) or (None if w.name in in_route else route_error or w.standby_state),
                 **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
             } for w in workers]
-            f.set_result((mine, [self._query(w, P.HEALTH, {}) for w in workers], dict(self.counters)))
-        mine, futures, counters = self._submit(ask).result(timeout)
+            f.set_result((mine, [self._query(w, P.HEALTH, {}) for w in workers], dict(self.counters), route_error))
+        mine, futures, counters, route_error = self._submit(ask).result(timeout)
         if self.gatekeeper is not None:
             counters["refused_peers"] = self.gatekeeper.refusals
         stages = []
@@ -477,7 +516,8 @@ class Coordinator:
         resume_ms = percentiles(list(self.resume_ms))
         resumes = {"count": counters.get("resumes", 0), "replayed_tokens": counters.get("replayed_tokens", 0),
                    "ms_p50": resume_ms["p50"], "ms_p99": resume_ms["p99"]}
-        return {"stages": stages, "sessions": sessions, "counters": counters, "resumes": resumes}
+        return {"stages": stages, "sessions": sessions, "counters": counters, "resumes": resumes,
+                "route_error": route_error}
 
     def shutdown_workers(self) -> None:
         def ask(f):
@@ -486,16 +526,21 @@ class Coordinator:
             f.set_result(None)
         self._submit(ask).result(5)
 
-    def _query_stage(self, index: int, msg_type: str, fields: dict) -> Future:
+    def _query_stage(self, index: int, msg_type: str, fields: dict, payload=None,
+                     check: Callable[[list[WorkerRecord]], None] | None = None) -> Future:
+        """A request to the route's stage INDEX; CHECK, given the route, may refuse it
+        first (with a MeshnetError) from what the stages' capabilities say."""
         outer: Future = Future()
 
         def ask(f):
             try:
                 route = self._route()
+                if check is not None:
+                    check(route)
             except MeshnetError as e:
                 outer.set_exception(e)
                 return
-            inner = self._query(route[index], msg_type, fields)
+            inner = self._query(route[index], msg_type, fields, payload)
             inner.add_done_callback(lambda i: outer.set_exception(i.exception()) if i.exception() else outer.set_result(i.result()))
         submitted = self._submit(ask)
         # a failure inside ask itself must reach the caller, not leave it waiting
@@ -514,9 +559,18 @@ class Coordinator:
         pacer = Pacer(self.heartbeat_interval)
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
         clocks_at = 0.0
+        turned_at = now()
         while self._running:
             try:
                 events = dict(poller.poll(tick_ms))
+                if now() - turned_at > PAUSED_AFTER * self.heartbeat_interval:
+                    # this process was stopped (SIGSTOP, a suspend, a swap storm): the
+                    # workers' silence was ours, and what they sent meanwhile waits to be read
+                    log.warning("coordinator: this process was stopped for %.1f s; its workers get a fresh "
+                                "heartbeat window", now() - turned_at)
+                    for w in self.workers.values():
+                        w.liveness.heard()
+                turned_at = now()
                 if self.router in events:
                     for _ in range(RECV_BATCH):
                         self._receive()
@@ -616,12 +670,8 @@ class Coordinator:
             msg = P.decode(frames, self.max_payload)
         except P.ProtocolError as e:
             self.counters["bad_messages"] += 1
-            if e.msg_type == P.READY and identity not in self._refusals_logged:
-                # a worker that cannot join: its operator needs to know why, once per peer
-                self._refusals_logged[identity] = None
-                if len(self._refusals_logged) > 1024:
-                    self._refusals_logged.popitem(last=False)
-                log.warning("coordinator: refused a worker (peer %s): %s", identity.hex(), e.message)
+            if e.msg_type == P.READY:
+                self._refuse_once(identity, e.message)
             self._send(identity, P.error_frames(e.rid, e.code, e.message, sid=e.sid))
             return
         worker = self.workers.get(identity)
@@ -657,11 +707,36 @@ class Coordinator:
             return
         self._send(identity, P.error_frames(msg.rid, E.UNKNOWN_TYPE, f"the coordinator does not serve '{msg.type}'"))
 
+    def _refuse_once(self, identity: bytes, why: str) -> None:
+        """A worker that cannot join: its operator needs to know why, once per peer."""
+        if identity in self._refusals_logged:
+            return
+        self._refusals_logged[identity] = None
+        if len(self._refusals_logged) > 1024:
+            self._refusals_logged.popitem(last=False)
+        log.warning("coordinator: refused a worker (peer %s): %s", identity.hex(), why)
+
     def _register(self, identity: bytes, msg: P.Message, peer_key: str | None = None) -> None:
         capability = msg["capability"]  # checked field by field in protocol.decode
         current = self.workers.get(identity)
+        epoch = msg.get("epoch", 0)
         if current is not None and current.capability == capability:
             current.liveness.heard()  # the same worker saying it again
+            if epoch > current.epoch:
+                # it dropped every session it held (it lost sight of us, or we of it): they
+                # go on where they can, replayed, on this worker again if need be
+                current.epoch = epoch
+                self._sessions_dropped(current, "dropped its sessions (it had lost sight of the coordinator)")
+            return
+        known = next((w for w in self.workers.values() if w.identity != identity
+                      and w.capability["model_sha256"] == capability["model_sha256"]), None)
+        why = known and shape_disagreement(capability, known.capability)
+        if why:
+            # not a worker of that model file, whatever hash it names: nothing it claims is used
+            self.counters["bad_messages"] += 1
+            self._refuse_once(identity, f"it claims model {capability['model_sha256'][:12]} but {why} "
+                                        f"(as worker {known.name} serves it)")
+            self._send(identity, P.error_frames(msg.rid, E.BAD_FIELD, f"ready: {why}"))
             return
         if current is not None and current.offer is None and "layers" in capability:
             del self.workers[identity]   # a standby worker offering the range it loaded: it had no sessions
@@ -676,15 +751,26 @@ class Coordinator:
         offer = offer_from_capability(name, capability, order) if "layers" in capability else None
         self.workers[identity] = WorkerRecord(identity, name, capability, offer,
                                               Liveness(self.heartbeat_interval, self.heartbeat_liveness),
-                                              public_key=peer_key)
+                                              public_key=peer_key, epoch=epoch)
         self.counters["registrations"] += 1
         self._guarded("planning for the standby workers", self._plan_standby)
         for session in [s for s in self.sessions.values() if s.lost is not None]:
             self._guarded("resuming a session", self._try_resume, session, sid=session.sid)
 
+    def _sessions_dropped(self, worker: WorkerRecord, reason: str) -> None:
+        """WORKER is there still, but without the sessions it held: each is lost as if the
+        stage were, and so replayed (its other stages are told to drop it first)."""
+        for sid in list(worker.sessions):
+            session = self.sessions.get(sid)
+            if session is not None:
+                self._stage_lost(session, MeshnetError(
+                    E.STAGE_LOST, f"stage {worker.label} (worker {worker.name}) {reason}",
+                    stage=worker.label, worker=worker.name, session=sid), None)
+
     def _lose_worker(self, worker: WorkerRecord, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
             return
+        log.warning("coordinator: lost worker %s (%s): %s", worker.name, worker.label, reason)
         self.counters["workers_lost"] += 1
         if worker.offer is not None or worker.assigning is not None:
             self._guarded("planning for the standby workers", self._plan_standby)
@@ -706,17 +792,27 @@ class Coordinator:
 
     def _request(self, worker: WorkerRecord, msg_type: str, pending: Pending, payload=None, **fields) -> int:
         rid = next(self._rids)
+        frames = P.encode(msg_type, rid, payload=payload, **fields)
+        if len(frames[0]) > P.MAX_HEADER_BYTES:   # the worker could not even read its id: it would never answer
+            error = MeshnetError(E.OVERSIZED, f"a {msg_type} request of {len(frames[0])} bytes is over the "
+                                 f"{P.MAX_HEADER_BYTES}-byte header limit")
+            if pending.future is not None and not pending.future.done():
+                pending.future.set_exception(error)
+            session = self.sessions.get(pending.sid) if pending.sid is not None else None
+            if session is not None:
+                self._fail(session, error, cancel=True)
+            return rid
         self.pending[rid] = pending
-        if not self._send(worker.identity, P.encode(msg_type, rid, payload=payload, **fields)):
+        if not self._send(worker.identity, frames):
             self.pending.pop(rid, None)
             if pending.future is not None and not pending.future.done():
                 pending.future.set_exception(MeshnetError(E.STAGE_LOST, f"cannot reach worker {worker.name}"))
         return rid
 
-    def _query(self, worker: WorkerRecord, msg_type: str, fields: dict) -> Future:
+    def _query(self, worker: WorkerRecord, msg_type: str, fields: dict, payload=None) -> Future:
         future: Future = Future()
         self._request(worker, msg_type, Pending("query", None, worker.identity, -1,
-                                                now() + self.request_timeout, future), **fields)
+                                                now() + self.request_timeout, future), payload, **fields)
         return future
 
     def _expire_requests(self) -> None:
@@ -745,6 +841,8 @@ class Coordinator:
         if pending.kind == "query":
             if msg.type == P.ERROR:
                 pending.future.set_exception(MeshnetError(msg["code"], msg["message"], stage=worker.label))
+            elif msg.payload is not None:   # a text request's answer
+                pending.future.set_result(bytes(msg.payload))
             else:
                 pending.future.set_result(msg.get("info", {}))
             return
@@ -1108,6 +1206,13 @@ class Coordinator:
         session = self.sessions.get(sid)
         if session is not None and not session.finished:
             self._fail(session, MeshnetError(E.CANCELLED, f"session {sid} was cancelled", session=sid), cancel=True)
+
+
+def _bytes_per_token_at_most(max_token_bytes: int) -> int:
+    """The most text one token can stand for, from the longest piece the head reported:
+    twice it, and never under 64 bytes, since the control tokens a chat template writes
+    out are not among the pieces measured."""
+    return 2 * max(max_token_bytes, 32)
 
 
 def _same_host(endpoint: str) -> str:

@@ -164,8 +164,12 @@ def utf8_or_error(text: str, what: str) -> bytes:
     try:
         return text.encode()
     except UnicodeEncodeError as e:
-        offset = len(text[:e.start].encode(errors="surrogateescape"))
-        byte = text.encode(errors="surrogateescape")[offset]
+        bad = text[e.start]
+        if not "\udc80" <= bad <= "\udcff":   # a lone surrogate (JSON's "\ud800"), not an undecodable byte
+            raise MeshnetError(errors.INVALID_ARGUMENT, f"{what} holds a lone surrogate U+{ord(bad):04X} at character "
+                               f"{e.start}, which is no Unicode text; give it in UTF-8") from None
+        offset = len(text[:e.start].encode(errors="surrogatepass"))
+        byte = ord(bad) - 0xdc00
         raise MeshnetError(errors.INVALID_ARGUMENT, f"{what} is not valid UTF-8 (byte 0x{byte:02x} at offset {offset}); "
                            "give it in UTF-8") from None
 

@@ -75,6 +75,9 @@ def prometheus_text(snapshot: dict) -> str:
     ]
     for name, kind, help_text, key in per_stage:
         metric(name, kind, help_text, [({"stage": s["stage"], "worker": s["worker"]}, s.get(key)) for s in stages])
+    metric("stage_in_route", "gauge", "1 when the worker is in the route, 0 when it is kept out (meshnet status says why)",
+           [({"stage": s["stage"], "worker": s["worker"]}, int(s["in_route"]) if "in_route" in s else None)
+            for s in stages])
     metric("stage_failures_total", "counter", "requests the stage answered with an error, by code",
            [({"stage": s["stage"], "code": code}, n) for s in stages for code, n in s.get("errors", {}).items()])
     metric("sessions_total", "counter", "sessions by outcome",

@@ -11,6 +11,8 @@ numbers.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import asdict, dataclass, field
 
 from . import errors as E
@@ -84,8 +86,14 @@ class ModelCost:
     def to_dict(self) -> dict:
         return dict(asdict(self), layer_bytes=list(self.layer_bytes))
 
+    @functools.cached_property
+    def _bytes_before(self) -> tuple[int, ...]:
+        """_bytes_before[i]: the bytes of layers 0..i-1, so a range's weights cost one
+        subtraction, not a sum over its layers."""
+        return (0, *itertools.accumulate(self.layer_bytes))
+
     def weight_bytes(self, start: int, end: int) -> int:
-        total = sum(self.layer_bytes[start:end]) + self.shared_bytes
+        total = self._bytes_before[end] - self._bytes_before[start] + self.shared_bytes
         if start == 0:
             total += self.input_bytes
         if end == self.n_layer:
@@ -157,13 +165,16 @@ def plan(cost: ModelCost, nodes: list[Node], overhead: int = OVERHEAD, start: in
         if at == end:
             left_out[node.name] = "not needed: the nodes before it hold every layer"
             continue
-        fits = [b for b in range(at + 1, end + 1) if stage_need(cost, at, b, node.settings, overhead) <= node.mem]
-        if not fits:
+        # need grows with b (the tail's output matrix only adds): take layers while they fit,
+        # so a plan costs one look at each layer, whatever the layer count
+        b = at
+        while b < end and stage_need(cost, at, b + 1, node.settings, overhead) <= node.mem:
+            b += 1
+        if b == at:
             left_out[node.name] = (f"admits {format_size(node.mem)}, layer {at} alone needs "
                                    f"{format_size(stage_need(cost, at, at + 1, node.settings, overhead))}"
                                    + (" (with the token embedding)" if at == 0 else ""))
             continue
-        b = max(fits)   # need grows with b (the tail's output matrix only adds)
         stages.append(PlannedStage(node.name, LayerRange(at, b, cost.n_layer),
                                    stage_need(cost, at, b, node.settings, overhead)))
         if index == len(nodes) - 1:

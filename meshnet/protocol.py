@@ -27,7 +27,8 @@ from . import errors as E
 from .errors import MeshnetError
 from .sampling import Sampling
 
-VERSION = 3   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY
+VERSION = 4   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+              # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -41,9 +42,11 @@ CANCEL = "cancel"          # coordinator -> worker: stop and drop a session
 RELEASE = "release"        # coordinator -> worker: free a session's KV
 SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
 ASSIGN = "assign"          # coordinator -> a worker started with --layers auto: load this range
-TOKENIZE = "tokenize"      # coordinator -> worker: text -> token ids, as llama.cpp does for the model
-DETOKENIZE = "detokenize"  # coordinator -> worker: token ids -> text
-TEMPLATE = "template"      # coordinator -> worker: chat messages -> the prompt text, by the model's chat template
+# the text requests carry their bulk in the payload frame, and so do their answers (OK +
+# payload), so that no prompt, however long, meets the header's bound
+TOKENIZE = "tokenize"      # coordinator -> worker: UTF-8 text -> token ids (int32), as llama.cpp does for the model
+DETOKENIZE = "detokenize"  # coordinator -> worker: token ids (int32) -> UTF-8 text
+TEMPLATE = "template"      # coordinator -> worker: chat messages (msgpack) -> the prompt text, by the model's chat template
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane
@@ -52,6 +55,18 @@ TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken 
 TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
 
 MAX_HEADER_BYTES = 64 * 1024
+# what a capability may claim: far above any real model (the largest have under 200
+# layers), and low enough that no claim makes the coordinator's planning or routing
+# costly (both are linear in the layers)
+MAX_LAYERS = 4096
+MAX_EMBD = 1 << 16
+MAX_VOCAB = 1 << 22
+MAX_CTX = 1 << 24
+MAX_BATCH = 1 << 16
+MAX_SESSIONS = 1 << 12
+# the longest text a text request carries: a prompt of many contexts' worth is refused
+# before it is sent (see coordinator.tokenize)
+MAX_TEXT_BYTES = 8 << 20
 U64_MAX = (1 << 64) - 1
 
 
@@ -104,7 +119,11 @@ def _tokens(v):
 
 
 def _range(v):
-    return len(v) == 2 and all(_is_int(d) and 0 <= d < 1 << 20 for d in v) and v[0] < v[1]
+    return len(v) == 2 and all(_is_int(d) and 0 <= d <= MAX_LAYERS for d in v) and v[0] < v[1]
+
+
+def _at_most(limit):
+    return lambda v: 0 < v <= limit
 
 
 def _seams(v):
@@ -147,7 +166,8 @@ def _short_text(v):
 INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
 
 SCHEMAS: dict[str, dict[str, tuple]] = {
-    READY: {"capability": (DICT, True, None)},   # its fields: CAPABILITY_FIELDS
+    READY: {"capability": (DICT, True, None),    # its fields: CAPABILITY_FIELDS
+            "epoch": (INT, False, _u64)},         # one more each time the worker dropped its sessions
     HEARTBEAT: {},
     GOODBYE: {},
     DISCONNECT: {},
@@ -174,9 +194,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     RELEASE: {"sid": (INT, True, _u64)},
     SHUTDOWN: {},
     ASSIGN: {"layers": (LIST, True, _range)},
-    TOKENIZE: {"text": (STR, True, None), "add_special": (BOOL, False, None), "parse_special": (BOOL, False, None)},
-    DETOKENIZE: {"tokens": (LIST, True, _tokens)},
-    TEMPLATE: {"messages": (LIST, True, _messages), "add_generation_prompt": (BOOL, False, None)},
+    TOKENIZE: {"add_special": (BOOL, False, None), "parse_special": (BOOL, False, None),
+               "limit": (INT, False, _positive)},          # more tokens than this: context_full, none sent back
+    DETOKENIZE: {},
+    TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
     OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
     ERROR: {
         "code": (STR, True, None),
@@ -224,16 +245,16 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "model_sha256": (STR, True, _sha256),
     "arch": (STR, True, _short_text),
     "layers": (LIST, False, _range),             # absent: --layers auto, waiting for the coordinator's plan
-    "n_layer": (INT, True, _positive),
-    "n_embd": (INT, True, _positive),
-    "n_vocab": (INT, True, _positive),
+    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
+    "n_embd": (INT, True, _at_most(MAX_EMBD)),
+    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
     "engine_pin": (STR, True, _short_text),
     "backend": (STR, True, _short_text),         # "CPU" or "CUDA": part of the compatibility class
     "device": (STR, False, _short_text),         # the processor the layers run on, by name (once it holds layers)
     "wire_dtype": (STR, True, lambda v: v == "f32"),
-    "max_sessions": (INT, True, _positive),
-    "n_ctx": (INT, True, _positive),
-    "n_batch": (INT, True, _positive),
+    "max_sessions": (INT, True, _at_most(MAX_SESSIONS)),
+    "n_ctx": (INT, True, _at_most(MAX_CTX)),
+    "n_batch": (INT, True, _at_most(MAX_BATCH)),
     "admitted_bytes": (INT, True, _u64),
     "data_endpoint": (STR, False, _endpoint),    # the PULL socket its inputs come to (once it holds layers)
     "mem_bytes": (INT, False, _u64),             # the memory it admits (--mem): what the planner may give it
@@ -242,6 +263,7 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "n_threads": (INT, False, _positive),        # the engine's compute threads
     "n_cpus": (INT, False, _positive),           # the CPUs this process may run on
     "pid": (INT, False, _positive),
+    "max_token_bytes": (INT, False, _at_most(1 << 16)),   # the head: the longest text one token stands for
 }
 
 
@@ -270,18 +292,18 @@ def _byte_count(v):
 
 # a worker's model, as the planner counts it (planner.ModelCost)
 COST_FIELDS: dict[str, tuple] = {
-    "n_layer": (INT, True, _positive),
-    "layer_bytes": (LIST, True, lambda v: len(v) <= 1 << 16 and all(_is_int(b) and _byte_count(b) for b in v)),
+    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
+    "layer_bytes": (LIST, True, lambda v: len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)),
     "input_bytes": (INT, True, _byte_count),
     "output_bytes": (INT, True, _byte_count),
     "shared_bytes": (INT, True, _byte_count),
     "tied_embeddings": (BOOL, True, None),
     "token_embd_bytes": (INT, True, _byte_count),
     "kv_bytes_per_cell": (INT, True, _byte_count),
-    "n_embd": (INT, True, _positive),
+    "n_embd": (INT, True, _at_most(MAX_EMBD)),
     "n_ff": (INT, True, _nonneg),
     "n_head": (INT, True, _nonneg),
-    "n_vocab": (INT, True, _positive),
+    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
 }
 
 
@@ -303,6 +325,9 @@ def check_capability(capability: dict, rid: int | None = None) -> dict:
         fields["cost"] = _checked_fields(COST_FIELDS, fields["cost"], f"{where}: cost", rid, None)
         if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"]:
             raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its layers disagree with n_layer {fields['n_layer']}", rid)
+        for name in ("n_embd", "n_vocab"):
+            if fields["cost"][name] != fields[name]:
+                raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its {name} disagrees with {name} {fields[name]}", rid)
     return fields
 
 
@@ -391,6 +416,52 @@ def recv_frames(sock, max_frames: int, max_bytes: int) -> tuple[list, str | None
     if why is not None:
         return frames[:1], why  # the first frame alone: a ROUTER's peer identity, to answer
     return frames, None
+
+
+def text_payload(msg: Message) -> str:
+    """A text request's text: its payload, UTF-8, at most MAX_TEXT_BYTES."""
+    data = _bulk(msg)
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the text is not UTF-8 (byte {e.start})", msg.rid) from None
+
+
+def tokens_payload(msg: Message, n_vocab: int) -> list[int]:
+    """A payload of token ids: little-endian int32, each below n_vocab."""
+    data = _bulk(msg)
+    if len(data) % 4:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: {len(data)} bytes are not whole int32 token ids", msg.rid)
+    tokens = np.frombuffer(data, dtype="<i4")
+    if len(tokens) and not (0 <= int(tokens.min()) and int(tokens.max()) < n_vocab):
+        raise ProtocolError(E.BAD_TOKEN, f"{msg.type}: a token id is outside the vocabulary of {n_vocab}", msg.rid)
+    return tokens.tolist()
+
+
+def messages_payload(msg: Message) -> list[dict]:
+    """A TEMPLATE's chat messages: a msgpack list of {"role": text, "content": text}."""
+    try:
+        messages = msgpack.unpackb(bytes(_bulk(msg)), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the messages are not valid msgpack: {type(e).__name__}",
+                            msg.rid) from None
+    if not isinstance(messages, list) or not _messages(messages):
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the messages are not a list of 1 to 4096 "
+                            "{'role': text, 'content': text}", msg.rid)
+    return messages
+
+
+def tokens_frame(tokens) -> memoryview:
+    return np.ascontiguousarray(tokens, dtype="<i4").data
+
+
+def _bulk(msg: Message):
+    if msg.payload is None:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: its bulk comes as a payload frame", msg.rid)
+    if len(msg.payload) > MAX_TEXT_BYTES:
+        raise ProtocolError(E.OVERSIZED, f"{msg.type}: a payload of {len(msg.payload)} bytes is over the "
+                            f"{MAX_TEXT_BYTES}-byte limit of a text request", msg.rid)
+    return msg.payload
 
 
 def f32_payload(array: np.ndarray):

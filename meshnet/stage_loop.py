@@ -121,6 +121,7 @@ class StageLoop(threading.Thread):
             raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pushes: dict[str, zmq.Socket] = {}
+        self.push_keys: dict[str, bytes] = {}   # the CURVE key of the peer behind each endpoint, told at open
         self.pushes_opened: collections.Counter[str] = collections.Counter()   # by mechanism: the links that outlived their session
         self.sessions: dict[int, StageSession] = {}
         self.waiting: collections.deque[Step] = collections.deque()
@@ -275,9 +276,11 @@ class StageLoop(threading.Thread):
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
             gather=m.get("gather", False))
-        # connect now: the first step finds the link made
-        self._push(m["next"], m.get("next_key", "").encode())
-        self._push(m["reply"], self.curve.coordinator_key if self.curve else b"")
+        # the links are made at the session's first step, not now: with CURVE the next
+        # stage lets this one in only once its own OPEN has named it, and a handshake it
+        # refused is never tried again; the first step comes after every stage's OPEN
+        self.push_keys[m["next"]] = m.get("next_key", "").encode()
+        self.push_keys[m["reply"]] = self.curve.coordinator_key if self.curve else b""
         with self.lock:
             self.cancelled.discard(job.sid)  # a new session under this id starts clean
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
@@ -290,8 +293,10 @@ class StageLoop(threading.Thread):
             self.stage.release_session(sid)
             in_use = {e for s in self.sessions.values() for e in (s.next_hop, s.reply)}
             for endpoint in (session.next_hop, session.reply):
-                if endpoint not in in_use and endpoint in self.pushes:
-                    self.pushes.pop(endpoint).close(linger=0)
+                if endpoint not in in_use:
+                    self.push_keys.pop(endpoint, None)
+                    if endpoint in self.pushes:
+                        self.pushes.pop(endpoint).close(linger=0)
 
     def _do_release(self, job: Job) -> None:
         if job.sid not in self.sessions:
@@ -313,15 +318,20 @@ class StageLoop(threading.Thread):
 
     def _do_tokenize(self, job: Job) -> None:
         m = job.msg
-        tokens = self.stage.tokenize(m["text"], m.get("add_special", True), m.get("parse_special", False))
-        self._reply(job, P.encode(P.OK, job.rid, info={"tokens": tokens}))
+        tokens = self.stage.tokenize(P.text_payload(m), m.get("add_special", True), m.get("parse_special", False))
+        limit = m.get("limit")
+        if limit is not None and len(tokens) > limit:   # the caller wants no text it cannot use
+            raise MeshnetError(E.CONTEXT_FULL, f"the text is {len(tokens)} tokens, more than the {limit} asked for",
+                               n_tokens=len(tokens))
+        self._reply(job, P.encode(P.OK, job.rid, payload=P.tokens_frame(tokens)))
 
     def _do_detokenize(self, job: Job) -> None:
-        self._reply(job, P.encode(P.OK, job.rid, info={"text": self.stage.detokenize(job.msg["tokens"])}))
+        tokens = P.tokens_payload(job.msg, self.stage.n_vocab)
+        self._reply(job, P.encode(P.OK, job.rid, payload=self.stage.detokenize(tokens).encode()))
 
     def _do_template(self, job: Job) -> None:
-        text = self.stage.chat_template(job.msg["messages"], job.msg.get("add_generation_prompt", True))
-        self._reply(job, P.encode(P.OK, job.rid, info={"text": text}))
+        text = self.stage.chat_template(P.messages_payload(job.msg), job.msg.get("add_generation_prompt", True))
+        self._reply(job, P.encode(P.OK, job.rid, payload=text.encode(errors="surrogatepass")))
 
     # ---- the data plane ------------------------------------------------------------------
 
@@ -475,11 +485,12 @@ class StageLoop(threading.Thread):
                 logits_n=None if logits is None else len(logits), seams=session.seams or None))
             session.seams = []
 
-    def _push(self, endpoint: str, server_key: bytes = b"") -> zmq.Socket:
-        """The PUSH to ENDPOINT, made at a session's open (with the CURVE key of the
-        stage or coordinator behind it) and kept for the sessions after it."""
+    def _push(self, endpoint: str) -> zmq.Socket:
+        """The PUSH to ENDPOINT, made at a session's first step there (with the CURVE key
+        of the stage or coordinator behind it) and kept for the sessions after it."""
         sock = self.pushes.get(endpoint)
         if sock is None:
+            server_key = self.push_keys.get(endpoint, b"")
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, DATA_HWM)

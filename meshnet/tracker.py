@@ -79,6 +79,23 @@ def offer_from_capability(worker: str, capability: dict, registered: int = 0) ->
                       compat_class=compat_class_of(capability), registered=registered, n_embd=capability["n_embd"])
 
 
+# what every worker of one model file must say alike: a worker that claims another shape
+# for a model already known is not serving that file, whatever hash it names
+MODEL_SHAPE = ("arch", "n_layer", "n_embd", "n_vocab")
+
+
+def shape_disagreement(capability: dict, known: dict) -> str | None:
+    """Why CAPABILITY cannot be a worker of the model that KNOWN (a registered worker's
+    capability, same model sha256) describes, or None when they agree: the shape, and
+    the per-layer cost table when both give one."""
+    for name in MODEL_SHAPE:
+        if capability[name] != known[name]:
+            return f"it says {name} {capability[name]!r:.40}, the model's is {known[name]!r}"
+    if "cost" in capability and "cost" in known and capability["cost"] != known["cost"]:
+        return "its per-layer cost table differs from the model's"
+    return None
+
+
 @dataclass
 class Route:
     stages: list[StageOffer]
@@ -154,16 +171,18 @@ def _preference(route: list[StageOffer]) -> tuple:
 
 def _best_chain(offers: list[StageOffer]) -> list[StageOffer] | None:
     """The exact cover of [0, n_layer) with the fewest stages, then the earliest
-    registered workers (compared in route order); None when there is no cover."""
+    registered workers (compared in route order); None when there is no cover. Only
+    the layers where an offer starts are looked at, so the work grows with the offers,
+    never with the layer count a capability claims."""
     n_layer = offers[0].n_layer
     by_start: dict[int, list[StageOffer]] = {}
     for offer in offers:
         by_start.setdefault(offer.start, []).append(offer)
     best: dict[int, list[StageOffer] | None] = {n_layer: []}
-    for at in range(n_layer - 1, -1, -1):   # from the tail back: best[at] covers [at, n_layer)
-        chains = [[o, *best[o.end]] for o in by_start.get(at, []) if o.end <= n_layer and best.get(o.end) is not None]
+    for at in sorted(by_start, reverse=True):   # from the tail back: best[at] covers [at, n_layer)
+        chains = [[o, *best[o.end]] for o in by_start[at] if o.end <= n_layer and best.get(o.end) is not None]
         best[at] = min(chains, key=_preference) if chains else None
-    return best[0]
+    return best.get(0)
 
 
 def _why_no_route(offers: list[StageOffer], n_layer: int) -> str:

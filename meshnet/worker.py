@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import endpoints
 from . import errors as E
 from . import protocol as P
 from .engine import Stage, engine_pin
@@ -47,6 +48,7 @@ GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect schedul
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
+PAUSED_AFTER = 4          # heartbeat intervals between two turns of the loop that mean it was stopped
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
 # so that tests can prove `meshnet accept` notices; never set outside tests
 TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
@@ -120,6 +122,8 @@ def clock_id() -> str:
 
 class StageWorker:
     def __init__(self, config: WorkerConfig):
+        endpoints.checked(config.coordinator, "--coordinator")   # before the model loads: a typo fails at once
+        endpoints.checked(config.data_bind, "--data-bind")
         self.config = config
         self.ctx = zmq.Context()
         if config.cpu is not None:
@@ -141,6 +145,7 @@ class StageWorker:
             self._wait_for_a_range()
         self.dealer: zmq.Socket | None = None
         self.epoch = 0
+        self.holds_sessions = False   # an OPEN came since the sessions were last all dropped
         # jobs waiting for the stage loop, by kind, each with its own bound
         self.queued: collections.Counter = collections.Counter()
         self.queue_limits = {"text": MAX_TEXT_JOBS, "control": 4 * config.max_sessions + 16}
@@ -166,6 +171,11 @@ class StageWorker:
         config = self.config
         return Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                      n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu)
+
+    @property
+    def max_control_payload(self) -> int:
+        """The largest payload the control socket takes: a residual's, or a text request's."""
+        return max(self.max_payload, P.MAX_TEXT_BYTES)
 
     def _common_capability(self, n_layer: int, arch: str, n_embd: int, n_vocab: int) -> dict:
         return {
@@ -209,6 +219,8 @@ class StageWorker:
         self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
                                layers=[info.layer_start, info.layer_end], backend=info.backend, device=info.device,
                                admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
+        if info.is_head:   # the coordinator refuses a text too long for any context before sending it here
+            self.capability["max_token_bytes"] = max(len(stage.detokenize_bytes([t])) for t in range(info.n_vocab))
         self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
         curve = None
         if self.config.keys is not None:
@@ -242,7 +254,7 @@ class StageWorker:
         sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
         # a hard cap far above any valid frame: zmq drops such a peer before we allocate
         # (between the two the peer gets an `oversized` error)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * (self.max_payload + P.MAX_HEADER_BYTES))
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * (self.max_control_payload + P.MAX_HEADER_BYTES))
         if self.config.keys is not None:
             security.client(sock, self.config.keys, self.config.coordinator_key)
         # watched before it connects: on loopback the connection (and a refused handshake's
@@ -261,7 +273,7 @@ class StageWorker:
         self.handshake_state = "none"
         self.disconnected_at: float | None = None
         self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
-        self._send(P.encode(P.READY, 0, capability=self.capability))
+        self._announce()
 
     def _on_link_event(self) -> None:
         event = recv_monitor_message(self.monitor)["event"]
@@ -287,9 +299,15 @@ class StageWorker:
                         else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
                              "and this worker has none")
 
+    def _announce(self) -> None:
+        """READY with our epoch: a coordinator that had sessions here under an older one
+        knows they are gone."""
+        self._send(P.encode(P.READY, 0, capability=self.capability, epoch=self.epoch))
+
     def _coordinator_lost(self) -> None:
         """Its sessions are over: free them and drop the replies still owed to it."""
         self._submit(Job("release_all", 0, self.epoch))
+        self.holds_sessions = False
         self.epoch += 1
         if self.loop is not None:
             self.loop.epoch = self.epoch
@@ -309,7 +327,7 @@ class StageWorker:
 
     def _handle(self, frames: list) -> None:
         try:
-            msg = P.decode(frames, self.max_payload)
+            msg = P.decode(frames, self.max_control_payload)
         except P.ProtocolError as e:
             self._refuse(e.rid, e.code, e.message, e.sid)
             return
@@ -317,7 +335,12 @@ class StageWorker:
         if msg.type == P.HEARTBEAT:
             return
         if msg.type == P.DISCONNECT:
-            self._send(P.encode(P.READY, 0, capability=self.capability))
+            # the coordinator has forgotten us, and with us the sessions it had here: they
+            # are over (it replays them, on us again once we are back). It says so once per
+            # message of ours it did not know: only the first finds sessions to drop
+            if self.holds_sessions:
+                self._coordinator_lost()
+            self._announce()
             return
         self.requests[msg.type] += 1
         if msg.rid in self.recent_rids:
@@ -397,7 +420,7 @@ class StageWorker:
         self.loop.start()
         self.poller.register(self.results, zmq.POLLIN)
         self._send(P.encode(P.OK, rid))
-        self._send(P.encode(P.READY, 0, capability=self.capability))
+        self._announce()
 
     def _health(self, msg: P.Message) -> None:
         # answered here, never queued behind work: the stage loop's last snapshot of the
@@ -424,6 +447,7 @@ class StageWorker:
         self._stage_loop()
         if msg.type == P.OPEN:
             msg.fields["reply"] = reachable(msg["reply"], self.config.coordinator)
+            self.holds_sessions = True
         self._queue("control", Job(msg.type, msg.rid, self.epoch, sid=msg["sid"], msg=msg))
 
     def _cancel(self, msg: P.Message) -> None:
@@ -469,15 +493,21 @@ class StageWorker:
         poller.register(self.dealer, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
+        turned_at = time.monotonic()
         while True:
             events = dict(poller.poll(LOADING_POLL_MS if self.loading else interval_ms))
+            if time.monotonic() - turned_at > PAUSED_AFTER * self.config.heartbeat_interval:
+                # this process was stopped (SIGSTOP, a laptop's suspend, a swap storm): the
+                # coordinator's silence was ours; what it sent meanwhile is still to be read
+                self.coordinator_alive.heard()
+            turned_at = time.monotonic()
             if self.loading is not None and self.loading[1].done():
                 self._finish_loading()
             if self.results in events:
                 while self.results.poll(0):
                     self._relay_result()
             if self.dealer in events:
-                frames, why = P.recv_frames(self.dealer, 2, self.max_payload + P.MAX_HEADER_BYTES)
+                frames, why = P.recv_frames(self.dealer, 2, self.max_control_payload + P.MAX_HEADER_BYTES)
                 if why is not None:
                     self._refuse(None, E.OVERSIZED, why)
                 else:
@@ -498,7 +528,7 @@ class StageWorker:
                 # nothing here blocks: the socket stays (libzmq reconnects it), heartbeats go on
                 self._coordinator_lost()
                 self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
-                self._send(P.encode(P.READY, 0, capability=self.capability))  # dropped unless connected
+                self._announce()  # dropped unless connected
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
         return self._stop()

@@ -69,12 +69,13 @@ def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path):
     assert parity["status"] == "failed" and parity["max_abs_logit_diff"] > 0
 
 
-def test_bench_prints_all_three_configurations_with_spread():
+def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys():
     result = meshnet("bench", "--repeats", "1", "--decode", "8", "--threads", str(THREADS), "--json")
     assert result.returncode == 0, result.stderr
     (report,) = json.loads(result.stdout.strip().splitlines()[-1])
     configs = report["configs"]
-    assert set(configs) == {"whole", "stages", "workers"}
+    assert set(configs) == {"whole", "stages", "workers", "plain"}
+    assert report["keys_over_plain_decode_tok_s"] > 0   # keyed and plain workers, side by side in one run
     for entry in configs.values():
         assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROMPTS)
         assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
@@ -91,6 +92,7 @@ def test_bench_prints_all_three_configurations_with_spread():
         decode = entry["decode_tok_s"]
         line = next(line for line in text.splitlines() if line.startswith(entry["label"]))
         assert f"{decode['median']:.1f} [{decode['min']:.1f}-{decode['max']:.1f}]" in line
+    assert f"workers with CURVE keys (the default) / without, one session: {report['keys_over_plain_decode_tok_s']:.3f}" in text
 
 
 def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):

@@ -508,9 +508,9 @@ def coordinator_templates(real_capability: dict, live_sids: list) -> tuple[dict,
         "release": lambda rng: ({"sid": sid(rng)}, None),
         "health": lambda rng: ({}, None),
         "capability": lambda rng: ({}, None),
-        "tokenize": lambda rng: ({"text": "hello"}, None),
-        "detokenize": lambda rng: ({"tokens": [1, 2, 3]}, None),
-        "template": lambda rng: ({"messages": [{"role": "user", "content": "hi"}]}, None),
+        "tokenize": lambda rng: ({}, b"hello"),
+        "detokenize": lambda rng: ({}, P.tokens_frame([1, 2, 3])),
+        "template": lambda rng: ({}, msgpack.packb([{"role": "user", "content": "hi"}])),
         "shutdown": lambda rng: ({}, None),
         "disconnect": lambda rng: ({}, None),
         # the data plane's messages on the control socket
@@ -573,7 +573,9 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
     caplog.set_level(logging.ERROR, logger="meshnet.coordinator")  # a warning per refused READY: thousands, all expected
     prompt_tokens, expected_tokens = expected
     rng = random.Random(SEED)
-    cluster = LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=1024, max_payload=COORDINATOR_MAX_PAYLOAD).start()
+    # keyless, as meshnet coordinator is on loopback: the fuzz is to reach the coordinator's own checks
+    cluster = LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=1024, max_payload=COORDINATOR_MAX_PAYLOAD,
+                           secure=False).start()
     coordinator = cluster.coordinator
     ctx = zmq.Context()
     replies = Replies()
@@ -941,13 +943,17 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
         "capability": lambda rng: ({}, None),
         "heartbeat": lambda rng: ({}, None),
         "disconnect": lambda rng: ({}, None),
-        "tokenize": lambda rng: ({"text": rng.choice(["hello", "<|im_start|>hi", "é" * 50, ""]),
-                                  "add_special": rng.random() < 0.5, "parse_special": rng.random() < 0.5}, None),
-        "detokenize": lambda rng: ({"tokens": rng.choice([[1, 2, 3], [49151], [N_VOCAB], [-1], [0] * 100])}, None),
-        "template": lambda rng: ({"messages": rng.choice([[{"role": "user", "content": "hi"}],
-                                                          [{"role": "system", "content": "é" * 100},
-                                                           {"role": "nobody", "content": ""}]]),
-                                  "add_generation_prompt": rng.random() < 0.5}, None),
+        "tokenize": lambda rng: ({"add_special": rng.random() < 0.5, "parse_special": rng.random() < 0.5,
+                                  **({"limit": rng.choice([1, 5, 2048])} if rng.random() < 0.3 else {})},
+                                 rng.choice([b"hello", "<|im_start|>hi".encode(), "é".encode() * 50, b"", b"\xff\xfe",
+                                             None])),
+        "detokenize": lambda rng: ({}, rng.choice([P.tokens_frame(t) for t in ([1, 2, 3], [49151], [N_VOCAB], [-1],
+                                                                                [0] * 100)] + [b"\x01\x02\x03", None])),
+        "template": lambda rng: ({"add_generation_prompt": rng.random() < 0.5},
+                                 rng.choice([msgpack.packb([{"role": "user", "content": "hi"}]),
+                                             msgpack.packb([{"role": "system", "content": "é" * 100},
+                                                            {"role": "nobody", "content": ""}]),
+                                             msgpack.packb({"role": "user"}), b"\xc1", None])),
         # a range for a worker that holds one already (only --layers auto workers take one)
         "assign": lambda rng: ({"layers": rng.choice([[0, 15], [15, 30], [0, 1 << 19], [29, 30], [5, 4]])}, None),
         # the wrong direction: what a worker sends, sent to a worker
@@ -1125,7 +1131,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             t0 = time.monotonic()
             request(P.HEALTH)
             if batch_no % 4 == 0:   # the stage loop too: a text request is its job, queued with the sessions'
-                request(P.DETOKENIZE, tokens=[1, 2, 3])
+                request(P.DETOKENIZE, P.tokens_frame([1, 2, 3]))
             probes.append(time.monotonic() - t0)
             if hung:
                 break

@@ -81,7 +81,7 @@ def test_two_deadlines_of_one_session_in_one_tick_end_it_once_and_the_coordinato
     {"n_embd": True}, {"worker_id": 7},
 ], ids=["pin-list", "no-n_ctx", "string-n_batch", "reversed-layers", "layers-past-model", "bool-n_embd", "int-id"])
 def test_a_ready_with_a_bad_capability_is_refused_and_the_route_keeps_serving(smollm2_path, reference, bad):
-    with LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=512) as c:
+    with LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=512, secure=False) as c:
         peer = FakeWorker(c.coordinator.endpoint)
         try:
             cap = {k: v for k, v in capability(**bad).items() if v is not None}
@@ -145,7 +145,7 @@ def test_a_flood_of_tokenize_requests_is_bounded_and_health_still_answers(smollm
         # dropped while we are slow to read, and then the wait below could not end
         n_sent = 600
         for i in range(n_sent):
-            fake.send(P.encode(P.TOKENIZE, 10_000 + i, text=text))
+            fake.send(P.encode(P.TOKENIZE, 10_000 + i, payload=text.encode()))
         fake.send(P.encode(P.HEALTH, 99))
         t0 = time.monotonic()
         replies, health_after = [], None
@@ -383,7 +383,7 @@ def test_a_malformed_address_is_a_one_line_error(command):
 def test_a_message_of_many_frames_is_refused_and_its_memory_let_go(smollm2_path, reference):
     # the default payload limit (32 MiB, frames up to 64 MiB) and 40 MiB frames: buffers that
     # large are always mmapped by glibc, so RSS shows what is kept, not what malloc caches
-    with LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=512) as c:
+    with LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=512, secure=False) as c:
         peer = FakeWorker(c.coordinator.endpoint)
         try:
             rss_before = rss_bytes()

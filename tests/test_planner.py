@@ -1,6 +1,8 @@
 """The memory planner with plain numbers (a made-up model named as such), and once
 against what the engine really allocates for SmolLM2."""
 
+import dataclasses
+
 import pytest
 
 from meshnet.errors import MeshnetError
@@ -74,7 +76,7 @@ def test_a_budget_too_small_for_the_head_s_embeddings_is_left_out_with_the_reaso
 
 
 def test_kv_for_the_context_and_sessions_and_the_overhead_are_counted():
-    with_kv = ModelCost(**{**vars(FAKE_MODEL), "kv_bytes_per_cell": 1024})
+    with_kv = dataclasses.replace(FAKE_MODEL, kv_bytes_per_cell=1024)
     settings = Settings(n_ctx=1024, n_sessions=4, n_batch=1)
     assert (stage_need(with_kv, 0, 2, settings, overhead=7) - stage_need(FAKE_MODEL, 0, 2, settings, overhead=0)
             == 2 * 1024 * 1024 * 4 + 7)

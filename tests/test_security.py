@@ -195,7 +195,7 @@ def test_loopback_is_told_apart_from_the_network():
                                                      "tcp://[::]:5", "tcp://example.org:5"))
 
 
-def test_run_secure_uses_fresh_keys_on_loopback_and_gives_the_same_tokens():
+def test_run_uses_fresh_keys_on_loopback_by_default_and_gives_the_same_tokens_as_insecure():
     def run(*extra):
         result = subprocess.run([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "8", "--json",
                                  "--threads", str(THREADS), *extra], capture_output=True, text=True, timeout=300)
@@ -203,7 +203,7 @@ def test_run_secure_uses_fresh_keys_on_loopback_and_gives_the_same_tokens():
         import json
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    secure, plain = run("--secure"), run()
+    secure, plain = run(), run("--insecure")
     assert secure["tokens"] == plain["tokens"] and len(secure["tokens"]) == 8
     assert secure["metrics"]["curve"] is True and plain["metrics"]["curve"] is False
 
