@@ -10,6 +10,11 @@ session slots, so that a request beyond the stages' --max-sessions is refused at
 The coordinator's API blocks, so each session is iterated by a thread of its own that
 hands its events to the request's asyncio queue: concurrent requests are concurrent
 sessions, which the stages batch.
+
+A request is checked here before any of it reaches the coordinator: its body's size
+(BodyLimit), its types (the pydantic models), then what the types leave open
+(check_request): text that UTF-8 cannot encode, a field meshnet does not honour, a chat
+message without a role it knows or without content.
 """
 
 from __future__ import annotations
@@ -41,16 +46,36 @@ from .sampling import Sampling
 RETRY_AFTER_S = 1
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
+# The largest request body taken: a bigger one is refused (413) before it is read. It is
+# well above any prompt a context holds (a 3,000,000-character prompt is let through, to
+# be refused as context_full), and keeps what one request may make the server hold small.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 STATUS = {errors.TOO_MANY_SESSIONS: 429, errors.BUSY: 429, errors.ROUTE_INCOMPLETE: 503, errors.STAGE_LOST: 503,
           errors.SHUTTING_DOWN: 503, errors.HOP_UNREACHABLE: 503, errors.DEADLINE_EXCEEDED: 503, errors.TIMEOUT: 503,
           errors.UNREACHABLE: 503, errors.CONTEXT_FULL: 400, errors.INVALID_ARGUMENT: 400,
           errors.NO_CHAT_TEMPLATE: 400, errors.BAD_TOKEN: 400}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 429: "rate_limit_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repeat_penalty", "seed")
-UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions")
+UNSUPPORTED_FIELD = "unsupported_field"   # the code of a field (or value) meshnet does not honour
+TOO_LARGE = "request_too_large"           # the code of a body over MAX_BODY_BYTES
+ROLES = ("system", "developer", "user", "assistant")
+# OpenAI's request fields that meshnet does not honour, each with the values that mean
+# "off" (null, and the default where a client sends it for "off"): a request with one of
+# them is answered as it would be without the field; any other value is refused
+# (unsupported_field), never ignored, since the answer would not be what was asked. A
+# field neither here nor in the request models below is refused whatever its value.
+OFF_VALUES = {
+    "logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None,), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True),
+    "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    "prompt_cache_key": (None,), "safety_identifier": (None,),
+}
 
 
 class ApiError(Exception):
@@ -71,8 +96,9 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=retry)
 
 
-# ---- request bodies: strict types (a string is not a number); fields OpenAI clients send
-# and meshnet does not use (user, metadata, ...) are let through
+# ---- request bodies: strict types (a string is not a number). Other fields are kept
+# (model_extra) for check_request to take at an off value or refuse, with the field's
+# whole name (messages[0].tool_calls), before anything of the request is used.
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
@@ -89,7 +115,8 @@ class ContentPart(_Body):
 
 class Message(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None   # (None: check_request says which message lacks it)
+    name: str | None = None   # a participant's name: taken, without effect (the chat template has no place for it)
 
 
 class _Request(_Body):
@@ -107,6 +134,7 @@ class _Request(_Body):
     n: int | None = 1         # (null is what some clients send for "the default")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: str | None = None   # an end user's id, for OpenAI's abuse monitoring: taken, without effect
 
 
 class ChatRequest(_Request):
@@ -116,6 +144,104 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+
+
+FIELD_NAMES = frozenset().union(*(model.model_fields for model in (ChatRequest, CompletionRequest, Message,
+                                                                    ContentPart, StreamOptions)))
+
+
+def field_path(loc) -> str:
+    """OpenAI's name of the field a pydantic error is about (messages[0].content). The loc
+    also names the member of a union that was tried (str, list[str]): the name ends before
+    the first part that is neither a field nor an index into one."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) and path:
+            path += f"[{part}]"
+        elif isinstance(part, str) and part in FIELD_NAMES:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def not_utf8(value) -> tuple[str, bool] | None:
+    """Where the first text in a JSON value is that UTF-8 cannot encode: a lone surrogate,
+    which JSON's escape "\\ud800" (or CESU's bytes) gives and Python's json takes. (path,
+    whether it is the name of a field in the object at path), or None. A loop, not a
+    recursion: the body may be nested as deep as json could parse it."""
+    todo = [("", "", None, value)]   # (path, the object's path, the name there, value), the next one last
+    while todo:
+        path, where, name, value = todo.pop()
+        if name is not None and not _encodes(name):
+            return where, True
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return path, False
+        elif isinstance(value, dict):
+            todo.extend(reversed([(f"{path}.{key}" if path else key, path, key, item) for key, item in value.items()]))
+        elif isinstance(value, list):
+            todo.extend(reversed([(f"{path}[{i}]", path, None, item) for i, item in enumerate(value)]))
+    return None
+
+
+def _is_off(name: str, value) -> bool:
+    # of the value's own type: 0 == False and 1 == True, but logprobs 0 is not "off"
+    return any(type(value) is type(off) and value == off for off in OFF_VALUES.get(name, ()))
+
+
+def _refuse_others(part: _Body, where: str = "") -> None:
+    """A field beyond the model's is refused, named by its path (where: the path of part);
+    at the top, one of OFF_VALUES at an off value is taken."""
+    for name, value in (part.model_extra or {}).items():
+        if where == "" and _is_off(name, value):
+            continue
+        offs = OFF_VALUES.get(name) if where == "" else None
+        why = (f"is not supported by meshnet serve: leave it out, or send {' or '.join(map(json.dumps, offs))}"
+               if offs else "is not a field meshnet serve takes")
+        raise ApiError(400, f"{where}{name} {why}", code=UNSUPPORTED_FIELD, param=where + name)
+
+
+def check_request(body: _Request) -> None:
+    """What the types leave open, checked before anything of the request is used (a text
+    that UTF-8 cannot encode would fail in the coordinator, or in this error's own body):
+    every text encodes; every field is one meshnet honours, or one of OFF_VALUES at an off
+    value; every chat message has a role meshnet knows, and content, of text parts only."""
+    bad = not_utf8(body.model_dump())
+    if bad is not None:
+        path, key = bad
+        where = f"a field name in {path or 'the body'}" if key else path
+        raise ApiError(400, f"{where} is not valid UTF-8: it holds a lone surrogate (\\ud800 to \\udfff), which "
+                       "is no character; send text as UTF-8", code=errors.INVALID_ARGUMENT, param=path or None)
+    _refuse_others(body)
+    if body.stream_options is not None:
+        _refuse_others(body.stream_options, "stream_options.")
+    for i, m in enumerate(body.messages if isinstance(body, ChatRequest) else []):
+        where = f"messages[{i}]"
+        _refuse_others(m, where + ".")
+        if m.role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", code=errors.INVALID_ARGUMENT,
+                           param=where + ".role")
+        if m.content is None:
+            raise ApiError(400, f"{where}.content is required: the message's text (or text parts)",
+                           code=errors.INVALID_ARGUMENT, param=where + ".content")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            at = f"{where}.content[{j}]"
+            if part.type != "text":   # (before its other fields: an image_url part is refused for being one)
+                raise ApiError(400, f"{at}.type: only text content parts are supported", code=UNSUPPORTED_FIELD,
+                               param=at + ".type")
+            _refuse_others(part, at + ".")
+            if part.text is None:
+                raise ApiError(400, f"{at}.text is required: the part's text", code=errors.INVALID_ARGUMENT,
+                               param=at + ".text")
 
 
 def sampling_of(body: _Request) -> Sampling | None:
@@ -131,15 +257,12 @@ def sampling_of(body: _Request) -> Sampling | None:
 
 
 def chat_messages(messages: list[Message]) -> list[dict]:
-    """OpenAI's messages as the chat template takes them: role and content text."""
+    """OpenAI's messages as the chat template takes them: role and content text (the
+    messages as check_request has taken them)."""
     out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(part.text for part in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
 
 
@@ -321,6 +444,54 @@ class Answer:
             self.session.close()
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over MAX_BODY_BYTES gets 413, and no more of it than
+    that is read. A Content-Length over it is refused before any of the body is read
+    (uvicorn holds a body to its Content-Length); a chunked body, which has none, is read
+    here up to the bound, refused as soon as what came passes it, and handed on whole."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self.refuse(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return   # the client went away before the body's end: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        chunks.clear()   # (the pieces are not held beside the whole)
+
+        async def replay():   # the body once, then what the client sends next (a disconnect)
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+        return await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send):
+        e = ApiError(413, f"the request body is over {self.limit} bytes ({self.limit // 2**20} MiB), the most "
+                     "meshnet serve takes", code=TOO_LARGE)
+        response = e.response()
+        response.headers["connection"] = "close"   # the rest of the body is not read: this connection is done
+        await response(scope, receive, send)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -351,6 +522,7 @@ def model_id(model: str | None) -> str:
 
 def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="meshnet", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)
     slots = Slots()
     created = int(time.time())
 
@@ -365,9 +537,9 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, e: RequestValidationError):   # FastAPI's 422 is OpenAI's 400
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "a bad request body"}
-        loc = [str(part) for part in first["loc"] if part != "body"]
-        return ApiError(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", code=errors.INVALID_ARGUMENT,
-                        param=loc[0] if loc else None).response()
+        path = field_path(first["loc"][1:] if first["loc"][:1] == ("body",) else first["loc"])
+        return ApiError(400, f"{path or 'body'}: {first['msg']}", code=errors.INVALID_ARGUMENT,
+                        param=path or None).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -402,10 +574,8 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{model}'",
                            code="model_not_found", param="model")
         if body.n not in (None, 1):
-            raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", param="n")
-        for name in UNSUPPORTED:
-            if (body.model_extra or {}).get(name):
-                raise ApiError(400, f"{name} is not supported by meshnet serve", param=name)
+            raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
+                           param="n")
         sampling = sampling_of(body)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         n_ctx, n_slots = await run_in_threadpool(route_limits, coordinator)
@@ -413,7 +583,15 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
             raise ApiError(429, f"all {n_slots} session slots are in use: retry in a moment",
                            code=errors.TOO_MANY_SESSIONS)
         try:
-            tokens = await run_in_threadpool(tokens_of)
+            # a prompt that cannot leave room for one new token is refused by the head's
+            # tokenizer, or before it by its length alone: a client's megabytes never hold a stage
+            try:
+                tokens = await run_in_threadpool(tokens_of, n_ctx - 1)
+            except MeshnetError as e:
+                if e.code != errors.CONTEXT_FULL:
+                    raise
+                raise ApiError(400, f"{e.message}: the context is {n_ctx}", code=errors.CONTEXT_FULL,
+                               param="messages" if chat else "prompt") from None
             if len(tokens) >= n_ctx:
                 raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
                                code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
@@ -476,16 +654,18 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
+        check_request(body)
         messages = chat_messages(body.messages)
-        return await generate(request, body, True, lambda: chat_prompt_tokens(coordinator, messages),
+        return await generate(request, body, True, lambda limit: chat_prompt_tokens(coordinator, messages, limit),
                               body.max_completion_tokens or body.max_tokens)
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest):
+        check_request(body)
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise ApiError(400, "prompt must be one text (one choice per request)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        return await generate(request, body, False, lambda: coordinator.tokenize(prompt), body.max_tokens)
+        return await generate(request, body, False, lambda limit: coordinator.tokenize(prompt, limit=limit), body.max_tokens)
 
     app.include_router(v1)
 
@@ -530,9 +710,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = 2048,
-          max_sessions: int = 8, echo=print) -> None:
-    """Serve until SIGINT or SIGTERM: in front of local workers, or (bind) of a coordinator
-    that workers elsewhere connect to."""
+          max_sessions: int = 8, secure: bool = True, echo=print) -> None:
+    """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
+    unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
 
     from .cluster import LocalCluster
@@ -560,7 +740,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
             ranges = read_layout(path).balanced_ranges(stages)
             # the workers ignore the terminal's Ctrl-C: they are closed after the server
             resume = {k: v for k, v in (coordinator_options or {}).items() if k in ("resume_wait", "max_resumes")}
-            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, **resume) as cluster:
+            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
+                              **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(bind, **(coordinator_options or {})) as coordinator:
