@@ -2,8 +2,12 @@
 command line as a user runs it."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
@@ -23,9 +27,115 @@ def qwen_path():
 
 
 def meshnet(*args, timeout=300):
-    """`meshnet ARGS...` in a process of its own, its output captured."""
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=timeout)
+    """`meshnet ARGS...` in a process of its own, its output captured (bounded: see run_bounded)."""
+    return run_bounded([sys.executable, "-m", "meshnet.cli", *args], timeout=timeout)
 
 
 def last_json_line(stdout):
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+# every process a test starts ends with it
+
+MARK = "MESHNET_TEST_RUN"   # in the environment of a bounded run and so of everything it starts
+_started = []               # the processes the helpers here and in peers.py started, in order
+
+
+def track(process):
+    """Kill PROCESS at the end of the test that started it, if it is still running then."""
+    _started.append(process)
+    return process
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_the_test_that_started_it():
+    before = len(_started)   # those of broader fixtures, set up first, are theirs to stop
+    yield
+    for process in _started[before:]:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    del _started[before:]
+
+
+def marked(mark):
+    """[(pid, command line)] of the living processes whose environment has MARK=mark."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue   # (a zombie's environment is empty)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+        except OSError:
+            continue   # gone meanwhile, or not ours to read
+    return found
+
+
+def left_behind(mark, within):
+    """The processes of MARK still living WITHIN seconds from now (at once when none are),
+    killed (SIGKILL) if there are any: what a run left behind."""
+    deadline = time.monotonic() + within
+    while (left := marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def stop_group(process, grace=10):
+    """SIGTERM to PROCESS's whole process group, SIGKILL to it GRACE s later (sooner once the
+    leader is gone, as its children may not be)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGTERM:
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+    process.wait()
+
+
+def run_bounded(args, *, timeout, env=None, grace=30, context=None):
+    """ARGS as a process group and session of its own, its output captured, never for
+    longer than TIMEOUT s: past it the whole group is stopped (stop_group), every process
+    carrying the run's mark killed too, and the test fails with what it had said (and
+    CONTEXT(), where given: its logs, say). Ended in time, it must leave no process behind
+    (they have GRACE s to go): the test fails naming any that stayed, killed then."""
+    mark = uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), MARK: mark}
+    process = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        left = left_behind(mark, 0)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:   # something outside the group holds its pipes
+            stdout, stderr = "", "(its output could not be read)"
+        extra = context() if context else ""
+        pytest.fail(f"{args[0]} did not end within {timeout} s: its process group was stopped"
+                    + (f", and these processes of it killed: {left}" if left else "")
+                    + f"\n--- its stderr:\n{stderr}\n--- its stdout:\n{stdout}" + (f"\n{extra}" if extra else ""),
+                    pytrace=False)
+    except BaseException:
+        stop_group(process)
+        left_behind(mark, 0)
+        raise
+    left = left_behind(mark, grace)
+    if left:
+        pytest.fail(f"{args[0]} ended (status {process.returncode}) but these processes it started were still "
+                    f"running {grace} s later (killed now): {left}\n--- its stderr:\n{stderr}", pytrace=False)
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)

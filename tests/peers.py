@@ -12,7 +12,7 @@ import zmq
 
 from meshnet import protocol as P
 
-from conftest import THREADS
+from conftest import THREADS, track
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 KEY = 0x5EC2E7           # the session key a fake coordinator gives its sessions
@@ -34,10 +34,12 @@ def wait_until(predicate, timeout=10.0):
 
 
 def start_worker(path, endpoint, layers, *extra, ctx=256, **popen):
-    """A worker process for LAYERS, (A, B) or "auto" (then give --mem in EXTRA)."""
+    """A worker process for LAYERS, (A, B) or "auto" (then give --mem in EXTRA); killed at
+    the end of the test that started it, however that ends, if it is still running then."""
     layers = layers if isinstance(layers, str) else f"{layers[0]}:{layers[1]}"
-    return subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", endpoint, "--model", path,
-                             "--layers", layers, "--threads", str(THREADS), "--ctx", str(ctx), *extra], **popen)
+    return track(subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", endpoint, "--model",
+                                   path, "--layers", layers, "--threads", str(THREADS), "--ctx", str(ctx), *extra],
+                                  **popen))
 
 
 def alive(pid) -> bool:
@@ -215,10 +217,12 @@ class FakeWorker:
             while self._beating:
                 self.send(P.encode(P.HEARTBEAT, 0))
                 time.sleep(interval)
-        threading.Thread(target=beat, daemon=True).start()
+        self._beat = threading.Thread(target=beat, daemon=True)
+        self._beat.start()
 
     def close(self):
         self._beating = False
-        time.sleep(0.15)
+        if getattr(self, "_beat", None) is not None:
+            self._beat.join(timeout=10)   # its last send before the socket closes
         self.sock.close()
         self.ctx.term()

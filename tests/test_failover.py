@@ -191,7 +191,9 @@ def test_with_no_spare_and_no_wait_a_lost_stage_ends_its_sessions_at_once(stages
         process = stages.queues[tail].pop()
         process.kill()
         process.wait()
+        deadline = time.monotonic() + 60   # the coordinator drops it once it misses its heartbeats
         while len(coordinator.workers_snapshot()) >= n:
+            assert time.monotonic() < deadline, "the coordinator never dropped a killed worker"
             time.sleep(0.05)
     assert coordinator.resume_wait == 0
     handles, got, errors, want = run_and_kill(stages, expected, tail, "decode")
@@ -204,7 +206,10 @@ def test_a_replacement_that_registers_within_the_resume_wait_resumes_the_session
     coordinator = stages.cluster.coordinator
     tail = HALVES[1]
     stages.add_spare(tail)   # the route again (the last test left none for the tail)
-    coordinator.resume_wait = 5.0
+    # long enough for a worker process to start and load its layers on a loaded machine: the
+    # sessions wait for it however long that takes within the bound (the replacement comes
+    # a second after the loss, so a resume still takes more than that)
+    coordinator.resume_wait = 60.0
     try:
         outcome = {}
         runner = threading.Thread(target=lambda: outcome.update(run=run_and_kill(stages, expected, tail, "decode")))

@@ -4,23 +4,58 @@ their own, with and without a delay on the link between them."""
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from meshnet.gguf_layout import read_layout
 
+from conftest import MARK, left_behind, marked, run_bounded, stop_group
+from peers import alive
+
 SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "netns-two-host.sh"
 CANNOT = 77   # the script's "no namespaces here", with the reason on stderr
+# a bound for a loaded 2-core machine (a run takes 15 s alone): one that hits it is stopped
+# with everything it started, and its progress is shown
+RUN_BOUND_S = 900
+
+
+def leaked_namespaces():
+    """Remove the namespaces of runs whose script is gone (meshnet-a-PID, meshnet-b-PID: it
+    removes its own unless killed outright), with what runs in them; their names."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=60).stdout
+    leaked = []
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        found = re.fullmatch(r"meshnet-[ab]-(\d+)", name)
+        if not found or alive(int(found.group(1))):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=60).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=60)
+        leaked.append(name)
+    return leaked
 
 
 def run_script(**env):
-    result = subprocess.run([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, **env},
-                            capture_output=True, text=True, timeout=180)
+    try:
+        result = run_bounded([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, **env}, timeout=RUN_BOUND_S)
+    finally:
+        leaked = leaked_namespaces()
+    assert not leaked, f"the run left its namespaces behind: {leaked}"
     if result.returncode == CANNOT:
         pytest.skip(result.stderr.strip())
     assert result.returncode == 0, result.stdout + result.stderr
@@ -57,8 +92,7 @@ def test_without_root_the_script_says_why_and_exits_77_never_0():
             path.chmod(0o755)
         command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(copy)]
     try:
-        result = subprocess.run(command, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
-                                timeout=60)
+        result = run_bounded(command, env={**os.environ, "PYTHON": sys.executable}, timeout=300)
     finally:
         if command[0] == "setpriv":
             shutil.rmtree(scratch)
@@ -70,3 +104,39 @@ def test_with_curve_on_every_link_the_route_across_namespaces_is_as_exact(smollm
     report = run_script(SECURE="1")
     assert report["ok"] and report["parity"] and report["isolation"], report
     assert report["curve"] is True     # each link's mechanism, as ZeroMQ reports it
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_run_stopped_mid_check_leaves_no_process_and_removes_its_namespaces_unless_killed_outright(tmp_path, sig):
+    """The script alone is signalled while its checker runs: within a bound none of its
+    processes is left; SIGTERM also removes its namespaces (SIGKILL leaves only those)."""
+    mark = uuid.uuid4().hex
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        script = subprocess.Popen([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, MARK: mark},
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_BOUND_S
+        while not [pid for pid, command in marked(mark) if "netns_check.py" in command]:
+            if script.poll() == CANNOT:
+                pytest.skip(err.read_text().strip())
+            assert script.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        started = marked(mark)
+        os.kill(script.pid, sig)
+        stopped = time.monotonic()
+        while (script.poll() is None or marked(mark)) and time.monotonic() - stopped < 120:
+            time.sleep(0.2)
+        assert script.poll() is not None and not marked(mark), (
+            f"120 s after {sig.name} these processes of the run are left: {marked(mark)} (of {started})\n"
+            + err.read_text())
+    finally:
+        if script.poll() is None:
+            stop_group(script)
+        left_behind(mark, 0)
+        leaked = leaked_namespaces()
+    assert script.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    # SIGKILL: nothing of the script runs, so its namespaces are left (and removed here)
+    ours = [] if sig == signal.SIGTERM else sorted(f"meshnet-{side}-{script.pid}" for side in "ab")
+    assert sorted(leaked) == ours, leaked

@@ -6,26 +6,45 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 from meshnet.gguf_layout import read_layout
 
+from conftest import MARK, left_behind, marked, run_bounded, stop_group
+
 SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "two-host.sh"
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 RUN_ID = re.compile(r"meshnet-two-host-\d{8}-\d{6}-\d+")
+# bounds for a loaded 2-core machine, where a run that takes 10 s alone has taken minutes;
+# a run that hits one is stopped, with everything it started, and its progress is shown
+RUN_BOUND_S = 900        # the script, its two workers and the coordinator, start to end
+ROUTE_WAIT_S = 780       # the coordinator's --wait for the route, inside the bound: it says why first
+STOPPED_BOUND_S = 120    # from SIGTERM to nothing of the run left, on every "host"
 
 
-def two_host(*args, **env):
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("HOST_A", "HOST_B", "ADDR_A", "ADDR_B", "MESHNET", "MESHNET_B", "MODEL", "LAYERS",
-                                "PORT", "DATA_PORT", "THREADS", "PROMPT", "MAX_TOKENS", "WAIT", "REMOTE_DIR", "SSH",
-                                "INSECURE")}
+def environment(**env):
+    kept = {k: v for k, v in os.environ.items()
+            if k not in ("HOST_A", "HOST_B", "ADDR_A", "ADDR_B", "MESHNET", "MESHNET_B", "MODEL", "LAYERS",
+                         "PORT", "DATA_PORT", "THREADS", "PROMPT", "MAX_TOKENS", "WAIT", "REMOTE_DIR", "SSH",
+                         "INSECURE")}
     # keyless runs on a trusted network: the script says so only when told (see the test below)
-    return subprocess.run([str(SCRIPT), *args], env={**environment, "PYTHON": sys.executable, "INSECURE": "1", **env},
-                          capture_output=True, text=True, timeout=120)
+    return {**kept, "PYTHON": sys.executable, "INSECURE": "1", **env}
+
+
+def two_host(*args, timeout=300, logs=None, **env):
+    """The script, bounded (conftest.run_bounded: in a process group of its own, stopped
+    whole past TIMEOUT s, and no process of it may be left once it ends); on a timeout the
+    failure shows its progress and the last lines of the *.log files in LOGS."""
+    def tails():
+        return "\n".join(f"--- {log}:\n" + "".join(log.read_text(errors="replace").splitlines(True)[-20:])
+                         for log in sorted(Path(logs).glob("*.log"))) if logs else ""
+    return run_bounded([str(SCRIPT), *args], env=environment(**env), timeout=timeout, context=tails)
 
 
 def dry_run(*args, **env):
@@ -39,27 +58,38 @@ def remote(line):
     return shlex.split(line)[-1]
 
 
+def guarded(pidfile, command):
+    """COMMAND as the script runs it on a host: under a guard that records its pid in
+    PIDFILE and stops it (SIGTERM, SIGKILL 10 s later) when the ssh session's stdin closes
+    or the guard is signalled (the guard itself is tested by the runs below)."""
+    return (f"f={pidfile}; p= w=; h() {{ kill $p 2>/dev/null; i=0; while kill -0 $p 2>/dev/null && [ $i -lt 20 ]; "
+            f"do sleep 0.5; i=$((i+1)); done; kill -9 $p 2>/dev/null; }}; "
+            f"trap 'h; kill $w 2>/dev/null; rm -f \"$f\"' EXIT; trap 'exit 129' HUP; trap 'exit 130' INT; "
+            f"trap 'exit 143' TERM; exec 3<&0 < /dev/null; {command} 3<&- & p=$!; echo $p > \"$f\"; "
+            f"{{ while read -r _; do :; done <&3; h; }} > /dev/null 2>&1 & w=$!; exec 3<&-; wait $p")
+
+
 def test_dry_run_prints_every_command_checks_first_then_workers_coordinator_report_and_stop(smollm2_path):
     first, second = (f"{r.start}:{r.end}" for r in read_layout(smollm2_path).balanced_ranges(2))
     lines = dry_run("--host-a", "alice@10.0.0.1", "--host-b", "bob@10.0.0.2", "--meshnet", "/opt/mn/bin/meshnet",
                     "--port", "6000", "--data-port", "6001", "--threads", "2", "--prompt", "It's a test",
                     "--max-tokens", "8")
     model_test = 'test -f "${MESHNET_HOME:-$HOME/.cache/meshnet}/models"/SmolLM2-135M-Instruct.Q4_1.gguf'
-    stop = ('rm -rf /tmp/RUN-keys; for f in {}; do [ -f "$f" ] || continue; p=$(cat "$f"); kill "$p" 2>/dev/null; i=0; while kill -0 "$p" '
+    stop = ('rm -rf /tmp/RUN-keys; for f in {}; do p=$(cat "$f" 2>/dev/null) || continue; kill "$p" 2>/dev/null; i=0; while kill -0 "$p" '
             '2>/dev/null && [ $i -lt 20 ]; do sleep 0.5; i=$((i+1)); done; kill -0 "$p" 2>/dev/null && kill -9 "$p"; '
             'rm -f "$f"; done; true')
-    report = 'ps -o pid=,rss=,time= -p "$(cat /tmp/RUN-worker-{0}.pid)" 2>/dev/null; tail -n 20 /tmp/RUN-worker-{0}.log 2>/dev/null; true'
-    worker = ("nohup /opt/mn/bin/meshnet worker --coordinator tcp://10.0.0.1:6000 --model smollm2 --layers {} "
-              "--data-bind tcp://{}:6001 --threads 2 --insecure > /tmp/RUN-worker-{}.log 2>&1 < /dev/null & echo $! > /tmp/RUN-worker-{}.pid")
+    report = 'ps -o pid=,rss=,time= -p "$(cat /tmp/RUN-worker-{0}.pid 2>/dev/null)" 2>/dev/null; tail -n 20 /tmp/RUN-worker-{0}.log 2>/dev/null; true'
+    worker = ("/opt/mn/bin/meshnet worker --coordinator tcp://10.0.0.1:6000 --model smollm2 --layers {} "
+              "--data-bind tcp://{}:6001 --threads 2 --insecure > /tmp/RUN-worker-{}.log 2>&1")
     expected = [
         ("alice@10.0.0.1", "/opt/mn/bin/meshnet --version"),
         ("alice@10.0.0.1", model_test),
         ("bob@10.0.0.2", "/opt/mn/bin/meshnet --version"),
         ("bob@10.0.0.2", model_test),
-        ("bob@10.0.0.2", worker.format(second, "10.0.0.2", "b", "b")),
-        ("alice@10.0.0.1", worker.format(first, "10.0.0.1", "a", "a")),
-        ("alice@10.0.0.1", "echo $$ > /tmp/RUN-coordinator.pid; exec /opt/mn/bin/meshnet coordinator --bind "
-                           "tcp://10.0.0.1:6000 --prompt 'It'\\''s a test' --max-tokens 8 --wait 120 --json --insecure"),
+        ("bob@10.0.0.2", guarded("/tmp/RUN-worker-b.pid", worker.format(second, "10.0.0.2", "b"))),
+        ("alice@10.0.0.1", guarded("/tmp/RUN-worker-a.pid", worker.format(first, "10.0.0.1", "a"))),
+        ("alice@10.0.0.1", guarded("/tmp/RUN-coordinator.pid", "/opt/mn/bin/meshnet coordinator --bind tcp://10.0.0.1:6000 "
+                                   "--prompt 'It'\\''s a test' --max-tokens 8 --wait 120 --json --insecure")),
         ("alice@10.0.0.1", report.format("a")),
         ("bob@10.0.0.2", report.format("b")),
         ("alice@10.0.0.1", stop.format("/tmp/RUN-coordinator.pid /tmp/RUN-worker-a.pid")),
@@ -81,7 +111,8 @@ def test_given_layers_a_model_path_the_environment_and_one_address_for_both_host
     assert commands[2] == "/other/meshnet --version"
     # the same address twice: the second worker takes the next data port
     assert "--model '/models/my model.gguf' --layers 12:24 --data-bind tcp://192.168.1.5:5557" in commands[4]
-    assert commands[4].startswith("nohup /other/meshnet worker --coordinator tcp://192.168.1.5:5555 ")
+    assert "; exec 3<&0 < /dev/null; /other/meshnet worker --coordinator tcp://192.168.1.5:5555 " in commands[4]
+    assert commands[4].startswith("f=/var/tmp/RUN-worker-b.pid; ")
     assert "--layers 0:12 --data-bind tcp://192.168.1.5:5556" in commands[5]
     assert "> /var/tmp/RUN-worker-a.log 2>&1" in commands[5]
     assert "--prompt 'The capital of France is' --max-tokens 48" in commands[6]
@@ -127,7 +158,7 @@ def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(s
     worker_b, worker_a, coordinator = (c for c in commands if " worker " in c or " coordinator " in c)
     assert "--secret /tmp/RUN-keys/worker-b.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_b
     assert "--secret /tmp/RUN-keys/worker-a.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_a
-    assert coordinator.endswith("--json --secret /tmp/RUN-keys/coordinator.key_secret --allow /tmp/RUN-keys/allowed")
+    assert "--json --secret /tmp/RUN-keys/coordinator.key_secret --allow /tmp/RUN-keys/allowed 3<&- &" in coordinator
     assert all(c.startswith("rm -rf /tmp/RUN-keys; ") for c in commands[-2:])   # the keys go with the processes
 
 
@@ -183,9 +214,10 @@ def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_repor
                                                                                                         smollm2_path):
     local = tmp_path / "here"
     local.mkdir()
-    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12), SSH=fake_ssh(tmp_path),
-                      INSECURE="0", TMPDIR=str(local))
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12, wait=ROUTE_WAIT_S),
+                      SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), timeout=RUN_BOUND_S, logs=tmp_path)
     assert result.returncode == 0, result.stderr
+    # (two_host has checked that no process of the run is left, on either "host")
     output = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(output["tokens"]) == 12 and output["metrics"]["stages"] == [
         [r.start, r.end] for r in read_layout(smollm2_path).balanced_ranges(2)]
@@ -212,13 +244,66 @@ def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_repor
 
 
 def test_a_host_without_meshnet_or_the_model_stops_the_run_before_anything_starts(tmp_path, smollm2_path):
-    result = two_host(*hosts(tmp_path, meshnet="/no/meshnet"), SSH=fake_ssh(tmp_path))
+    result = two_host(*hosts(tmp_path, meshnet="/no/meshnet"), SSH=fake_ssh(tmp_path), timeout=RUN_BOUND_S)
     assert result.returncode == 3
     assert "no meshnet at '/no/meshnet' on a@127.0.0.1" in result.stderr and "installs nothing" in result.stderr
     empty = tmp_path / "home"
     empty.mkdir()
     layers = ",".join(f"{r.start}:{r.end}" for r in read_layout(smollm2_path).balanced_ranges(2))
-    result = two_host(*hosts(tmp_path, layers=layers), SSH=fake_ssh(tmp_path), MESHNET_HOME=str(empty))
+    result = two_host(*hosts(tmp_path, layers=layers), SSH=fake_ssh(tmp_path), MESHNET_HOME=str(empty),
+                      timeout=RUN_BOUND_S)
     assert result.returncode == 3
     assert "model 'smollm2' is not on a@127.0.0.1" in result.stderr and "installs nothing" in result.stderr
     assert not list(tmp_path.glob("*.log")) and not list(tmp_path.glob("*.pid"))
+
+
+def test_a_run_stopped_with_sigterm_mid_run_leaves_no_process_on_any_host_and_no_key(tmp_path, smollm2_path):
+    """SIGTERM to the script alone while its coordinator waits: everything it started, on
+    both "hosts", is gone within a bound (and its keys, here and there), where it used to
+    act only once the coordinator had ended and leave the workers behind when killed."""
+    local = tmp_path / "here"
+    local.mkdir()
+    head = read_layout(smollm2_path).balanced_ranges(2)[0]
+    first = f"{head.start}:{head.end}"
+    # host B's worker cannot bind its address and ends: the route never forms and the
+    # coordinator waits, with host A's worker registered, until it is stopped
+    args = hosts(tmp_path, port=free_port(), data_port=free_port(), addr_b="192.0.2.1", wait=ROUTE_WAIT_S)
+    mark = uuid.uuid4().hex
+    env = environment(SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), **{MARK: mark})
+
+    def said():
+        logs = "".join(f"--- {log.name}:\n{log.read_text(errors='replace')}" for log in tmp_path.glob("*.log"))
+        return f"--- its stderr:\n{(tmp_path / 'stderr').read_text()}{logs}"
+
+    def running(*words):   # the process itself, not the shell (its guard) that names it
+        return [pid for pid, command in marked(mark)
+                if all(w in command for w in words) and not command.startswith(("sh ", "/bin/sh "))]
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        script = subprocess.Popen([str(SCRIPT), *args], env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                  start_new_session=True)
+        try:
+            deadline = time.monotonic() + RUN_BOUND_S
+            while not (running(" worker ", f"--layers {first} ") and running(" coordinator --bind ")):
+                assert script.poll() is None, f"the script ended ({script.returncode}) before its worker started\n{said()}"
+                assert time.monotonic() < deadline, f"the worker and coordinator never started\n{said()}"
+                time.sleep(0.2)
+            while not (list(tmp_path.glob("*-worker-a.pid")) and list(tmp_path.glob("*-coordinator.pid"))):
+                assert time.monotonic() < deadline, f"their pids were never recorded\n{said()}"
+                time.sleep(0.2)
+            started = marked(mark)
+            os.kill(script.pid, signal.SIGTERM)
+            stopped = time.monotonic()
+            while (script.poll() is None or marked(mark)) and time.monotonic() - stopped < STOPPED_BOUND_S:
+                time.sleep(0.2)
+            left = marked(mark)
+            assert script.poll() is not None and not left, (
+                f"{STOPPED_BOUND_S} s after SIGTERM the script is {'gone' if script.poll() is not None else 'running'} "
+                f"and these processes of its run are left: {left} (of {started})\n{said()}")
+        finally:
+            if script.poll() is None:
+                stop_group(script)
+            left_behind(mark, 0)
+    assert script.returncode == 143, said()
+    assert "two-host: stopping what this run started" in said()
+    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the keys, here and there, are gone
+    assert not list(tmp_path.glob("*.pid"))

@@ -19,6 +19,11 @@
 # Exit status: 0 every check held, 1 one did not (or a process failed), 2 a bad DELAY,
 # 77 no namespaces can be made here (not root, no `ip`, no /dev/net/tun for DELAY):
 # the reason is on stderr, for a test to report as a skip.
+# Whatever it starts is stopped, and the namespaces removed, when it ends: at its end, on
+# an error, on SIGTERM, SIGINT or SIGHUP; killed outright (SIGKILL), its processes die with
+# it (setpriv --pdeathsig, where util-linux has it) and only the namespaces are left, named
+# meshnet-a-PID and meshnet-b-PID after its pid. Each step is said with the seconds since
+# the start.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -70,7 +75,8 @@ made_ns=()
 
 cleanup() {
     local status=$? pid i
-    trap - EXIT INT TERM
+    trap - EXIT
+    trap : HUP INT TERM   # what this run started is stopped before it ends, however many signals come
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for i in $(seq 50); do  # a worker says goodbye first: give it 5 s
         local alive=0
@@ -86,7 +92,7 @@ cleanup() {
     done
     ip link del "$link_a" 2>/dev/null || true    # not yet moved, when setting up failed
     case $status in
-    0 | 77 | 130 | 143) ;;   # passed, skipped or stopped by the user: nothing to explain
+    0 | 77 | 130) ;;   # passed, skipped or stopped with Ctrl-C: nothing to explain
     *)
         for i in "${!names[@]}"; do
             [ -s "$logs/${names[$i]}.log" ] || continue
@@ -99,19 +105,26 @@ cleanup() {
     exit "$status"
 }
 trap cleanup EXIT
+trap 'exit 129' HUP
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+say() { echo "netns: $* (${SECONDS} s)" >&2; }   # a step, as it happens (stdout ends with the JSON)
+# each child dies with this script (its parent), even when nothing here can run: SIGKILL
+tie=()
+if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then tie=(setpriv --pdeathsig KILL); fi
 
 start() {  # start NAME NAMESPACE COMMAND...: in the background, its output in NAME.log
     local name=$1 ns=$2
     shift 2
     if [ -n "$ns" ]; then
-        ip netns exec "$ns" "$@" > "$logs/$name.log" 2>&1 &
+        ${tie[@]+"${tie[@]}"} ip netns exec "$ns" "$@" > "$logs/$name.log" 2>&1 &
     else
-        "$@" > "$logs/$name.log" 2>&1 &
+        ${tie[@]+"${tie[@]}"} "$@" > "$logs/$name.log" 2>&1 &
     fi
     pids+=($!)
     names+=("$name")
+    say "started $name${ns:+ in $ns} (pid $!)"
 }
 
 for ns in "$ns_a" "$ns_b"; do
@@ -172,10 +185,12 @@ start "worker $first" "$ns_a" "${worker[@]}" --layers "$first" --data-bind "tcp:
 start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tcp://$addr_b:0" "${cpu_b[@]}" "${secure_b[@]}"
 
 # the checker's output is ours; the workers reconnect until its coordinator listens
-ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" --model "$model_path" \
-    --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" "${check_keys[@]}" &
+${tie[@]+"${tie[@]}"} ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" \
+    --model "$model_path" --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" \
+    ${check_keys[@]+"${check_keys[@]}"} &
 checker=$!
 pids+=("$checker")
+say "started the checker in $ns_a (pid $checker): the route against the whole model"
 while kill -0 "$checker" 2>/dev/null; do
     for i in "${!names[@]}"; do
         if ! kill -0 "${pids[$i]}" 2>/dev/null; then
@@ -186,3 +201,4 @@ while kill -0 "$checker" 2>/dev/null; do
     sleep 0.2
 done
 wait "$checker"
+say "the checks are done"

@@ -31,10 +31,15 @@
 # public keys (the coordinator's allow-list); host B worker B's secret and the
 # coordinator's public key. The workers learn each other's keys from the coordinator.
 # It installs nothing: a host without meshnet, or without the model (which meshnet would
-# otherwise fetch from PyPI), stops the run before anything starts there. The workers and
-# the coordinator are stopped (by the pids they recorded) when this script ends, Ctrl-C
-# included. SSH (default ssh) is the ssh command; it never asks for a password
-# (BatchMode). Exit status: the coordinator's; 2 a bad command line; 3 a host not ready.
+# otherwise fetch from PyPI), stops the run before anything starts there. Whatever it starts
+# on a host is stopped when this script ends, however it ends: at its end, on an error, on
+# SIGTERM, SIGINT (Ctrl-C) or SIGHUP it kills them by the pids they recorded, over ssh; and
+# each runs under a small guard in an ssh session of its own whose stdin only this script
+# holds, so that when the session closes (this script or its ssh killed, SIGKILL included,
+# or the connection lost) the guard stops it there (SIGTERM, SIGKILL 10 s later). Each step
+# is said on stderr with the seconds since the start. SSH (default ssh) is the ssh command;
+# it never asks for a password (BatchMode). Exit status: the coordinator's; 2 a bad command
+# line; 3 a host not ready.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -143,9 +148,11 @@ pid_c=$remote_dir/meshnet-$run-coordinator.pid
 keys_remote=$remote_dir/meshnet-$run-keys
 coordinator=tcp://$addr_a:$port
 
+say() { echo "two-host: $* (${SECONDS} s)" >&2; }   # a step, as it happens
 on() {  # on HOST REMOTE-COMMAND: run it there over ssh, or print it
     local cmd=("${ssh[@]}" "$1" "$2")
-    if [ "$dry_run" -eq 1 ]; then words "${cmd[@]}"; else "${cmd[@]}"; fi
+    # (7, 8 and 9 hold the guarded sessions' stdin: see below; no other child may hold them)
+    if [ "$dry_run" -eq 1 ]; then words "${cmd[@]}"; else "${cmd[@]}" 7>&- 8>&- 9>&-; fi
 }
 if [ -n "$model_file" ]; then
     model_test="test -f \"\${MESHNET_HOME:-\$HOME/.cache/meshnet}/models\"/$(quote "$model_file")"
@@ -166,19 +173,30 @@ security() {  # security SIDE: a worker's key flags (a or b), or the coordinator
     *) words --secret "$keys_remote/worker-$1.key_secret" --coordinator-key "$keys_remote/coordinator.key" ;;
     esac
 }
-worker() {  # worker SIDE MESHNET RANGE ADDR DATA_PORT LOG PIDFILE: the remote command that starts one
-    echo "nohup $(words "$2" worker --coordinator "$coordinator" --model "$model" --layers "$3" \
-        --data-bind "tcp://$4:$5" --threads "$threads") $(security "$1") > $(quote "$6") 2>&1 < /dev/null & echo \$! > $(quote "$7")"
+worker() {  # worker SIDE MESHNET RANGE ADDR DATA_PORT LOG: the remote command of one, its output in LOG
+    echo "$(words "$2" worker --coordinator "$coordinator" --model "$model" --layers "$3" \
+        --data-bind "tcp://$4:$5" --threads "$threads") $(security "$1") > $(quote "$6") 2>&1"
+}
+guarded() {  # guarded PIDFILE COMMAND: the remote command (POSIX sh) that runs COMMAND under a guard
+    # The guard records COMMAND's pid in PIDFILE, waits for it and exits with its status. It
+    # stops COMMAND (h: SIGTERM, then SIGKILL after 10 s) when ssh's stdin closes (nothing is
+    # ever written to it: it closes when this script ends, however it ends, or its ssh dies)
+    # and when the guard itself is hung up or signalled; PIDFILE goes with COMMAND.
+    echo "f=$(quote "$1"); p= w=; h() { kill \$p 2>/dev/null; i=0; while kill -0 \$p 2>/dev/null && [ \$i -lt 20 ];" \
+        "do sleep 0.5; i=\$((i+1)); done; kill -9 \$p 2>/dev/null; };" \
+        "trap 'h; kill \$w 2>/dev/null; rm -f \"\$f\"' EXIT; trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 143' TERM;" \
+        "exec 3<&0 < /dev/null; $2 3<&- & p=\$!; echo \$p > \"\$f\";" \
+        "{ while read -r _; do :; done <&3; h; } > /dev/null 2>&1 & w=\$!; exec 3<&-; wait \$p"
 }
 stop() {  # the remote command that stops what the pid files name: SIGTERM, then SIGKILL after 10 s
     local f files=()
     for f in "$@"; do files+=("$(quote "$f")"); done
-    echo "rm -rf $(quote "$keys_remote"); for f in ${files[*]}; do [ -f \"\$f\" ] || continue; p=\$(cat \"\$f\"); kill \"\$p\" 2>/dev/null;" \
+    echo "rm -rf $(quote "$keys_remote"); for f in ${files[*]}; do p=\$(cat \"\$f\" 2>/dev/null) || continue; kill \"\$p\" 2>/dev/null;" \
         "i=0; while kill -0 \"\$p\" 2>/dev/null && [ \$i -lt 20 ]; do sleep 0.5; i=\$((i+1)); done;" \
         "kill -0 \"\$p\" 2>/dev/null && kill -9 \"\$p\"; rm -f \"\$f\"; done; true"
 }
 report() {  # the remote command that shows a worker's memory, CPU time and last words
-    echo "ps -o pid=,rss=,time= -p \"\$(cat $(quote "$1"))\" 2>/dev/null; tail -n 20 $(quote "$2") 2>/dev/null; true"
+    echo "ps -o pid=,rss=,time= -p \"\$(cat $(quote "$1") 2>/dev/null)\" 2>/dev/null; tail -n 20 $(quote "$2") 2>/dev/null; true"
 }
 
 if [ "$dry_run" -eq 0 ]; then
@@ -202,21 +220,40 @@ for side in a b; do
     echo "two-host: $host: $version, model $model present" >&2
 done
 
-# 2. the workers, then the coordinator in the foreground (workers wait for it)
+# 2. the workers, then the coordinator (workers wait for it), each in a guarded ssh session
 if [ "$dry_run" -eq 0 ]; then
-    fresh_keys=
+    fresh_keys= here= sessions=()
     cleanup() {
-        local status=$?
-        trap - EXIT INT TERM
+        local status=$? pid i alive
+        trap - EXIT
+        trap : HUP INT TERM   # what this run started is stopped before it ends, however many signals come
+        # each guarded session's stdin closes: its guard stops what it runs
+        exec 7>&- 8>&- 9>&-
+        say "stopping what this run started on $host_a and $host_b"
         on "$host_a" "$(stop "$pid_c" "$pid_a")" || true
         on "$host_b" "$(stop "$pid_b")" || true
-        rm -f "${out:-}"
+        # the sessions end with what they ran; one still there after 10 s is ended here
+        for i in $(seq 20); do
+            alive=0
+            for pid in ${sessions[@]+"${sessions[@]}"}; do kill -0 "$pid" 2>/dev/null && alive=1; done
+            [ "$alive" -eq 0 ] && break
+            sleep 0.5
+        done
+        for pid in ${sessions[@]+"${sessions[@]}"}; do kill -9 "$pid" 2>/dev/null || true; done
+        wait 2>/dev/null || true
+        [ -z "$here" ] || rm -rf "$here"
         [ -z "$fresh_keys" ] || rm -rf "$fresh_keys"
+        say "stopped"
         exit "$status"
     }
     trap cleanup EXIT
+    trap 'exit 129' HUP
     trap 'exit 130' INT
     trap 'exit 143' TERM
+    # the pipes that hold each guarded session's stdin, and the coordinator's output
+    here=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-two-host.XXXXXX")
+    mkfifo "$here/b" "$here/a" "$here/c"
+    out=$here/out
 fi
 if [ "$insecure" != 1 ]; then
     # the keys: made here (never on a command line, never on a host that needs only the public half)
@@ -237,12 +274,15 @@ if [ "$insecure" != 1 ]; then
     send_key "$host_a" "$keys/coordinator.key" coordinator.key
     send_key "$host_b" "$keys/worker-b.key_secret" worker-b.key_secret
     send_key "$host_b" "$keys/coordinator.key" coordinator.key
+    [ "$dry_run" -eq 1 ] || say "keys sent: $host_a has the coordinator's and worker A's, $host_b worker B's"
 fi
-on "$host_b" "$(worker b "$meshnet_b" "$second" "$addr_b" "$data_port_b" "$log_b" "$pid_b")"
-on "$host_a" "$(worker a "$meshnet" "$first" "$addr_a" "$data_port" "$log_a" "$pid_a")"
-coordinate="echo \$\$ > $(quote "$pid_c"); exec $(words "$meshnet" coordinator --bind "$coordinator" --prompt "$prompt" \
-    --max-tokens "$max_tokens" --wait "$wait_s" --json) $(security c)"
+worker_b=$(guarded "$pid_b" "$(worker b "$meshnet_b" "$second" "$addr_b" "$data_port_b" "$log_b")")
+worker_a=$(guarded "$pid_a" "$(worker a "$meshnet" "$first" "$addr_a" "$data_port" "$log_a")")
+coordinate=$(guarded "$pid_c" "$(words "$meshnet" coordinator --bind "$coordinator" --prompt "$prompt" \
+    --max-tokens "$max_tokens" --wait "$wait_s" --json) $(security c)")
 if [ "$dry_run" -eq 1 ]; then
+    on "$host_b" "$worker_b"
+    on "$host_a" "$worker_a"
     on "$host_a" "$coordinate"
     on "$host_a" "$(report "$pid_a" "$log_a")"
     on "$host_b" "$(report "$pid_b" "$log_b")"
@@ -250,9 +290,28 @@ if [ "$dry_run" -eq 1 ]; then
     on "$host_b" "$(stop "$pid_b")"
     exit 0
 fi
-out=$(mktemp)
+# Each session in the background, its stdin a pipe that only this script holds open for
+# writing (fds 7, 8, 9; every other child closes them): it closes when this script ends,
+# however it ends. Opening a pipe's writing end waits for its session to open the other.
+"${ssh[@]}" "$host_b" "$worker_b" < "$here/b" >&2 7>&- 8>&- 9>&- &
+sessions+=($!)
+exec 7> "$here/b"
+say "started the worker for layers $second on $host_b (its log: $log_b)"
+"${ssh[@]}" "$host_a" "$worker_a" < "$here/a" >&2 7>&- 8>&- 9>&- &
+sessions+=($!)
+exec 8> "$here/a"
+say "started the worker for layers $first on $host_a (its log: $log_a)"
+"${ssh[@]}" "$host_a" "$coordinate" < "$here/c" > "$out" 7>&- 8>&- 9>&- &
+coordinator_session=$!
+sessions+=("$coordinator_session")
+exec 9> "$here/c"
+say "started the coordinator on $host_a: up to $wait_s s for the route, then $max_tokens tokens"
+# waited for in the background, so that a signal is acted on at once (bash runs a trap
+# only once the foreground command is done)
 status=0
-on "$host_a" "$coordinate" | tee "$out" || status=$?
+wait "$coordinator_session" || status=$?
+say "the coordinator ended with status $status"
+cat "$out"
 
 # 3. each side's numbers: the coordinator's JSON, then each worker's memory, CPU time and log
 if [ "$status" -eq 0 ]; then
@@ -276,7 +335,6 @@ plain = sorted(k for k, v in links.items() if v != "CURVE")
 print(f"two-host: links: CURVE on all {len(links)}" if links and not plain else
       "two-host: links in clear text: " + ", ".join(f"{k} ({links[k]})" for k in plain), file=sys.stderr)' "$out" || true
 fi
-rm -f "$out"
 echo "two-host: worker $first on $host_a (pid, RSS KiB, CPU time; its log):" >&2
 on "$host_a" "$(report "$pid_a" "$log_a")" >&2 || true
 echo "two-host: worker $second on $host_b (pid, RSS KiB, CPU time; its log):" >&2
