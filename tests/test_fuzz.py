@@ -509,7 +509,7 @@ def coordinator_templates(real_capability: dict, live_sids: list) -> tuple[dict,
         "health": lambda rng: ({}, None),
         "capability": lambda rng: ({}, None),
         "tokenize": lambda rng: ({}, b"hello"),
-        "detokenize": lambda rng: ({}, P.tokens_frame([1, 2, 3])),
+        "detokenize": lambda rng: ({}, bytes(P.tokens_frame([1, 2, 3]))),
         "template": lambda rng: ({}, msgpack.packb([{"role": "user", "content": "hi"}])),
         "shutdown": lambda rng: ({}, None),
         "disconnect": lambda rng: ({}, None),
@@ -942,12 +942,13 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
         "health": lambda rng: ({}, None),
         "capability": lambda rng: ({}, None),
         "heartbeat": lambda rng: ({}, None),
-        "disconnect": lambda rng: ({}, None),
+        # (no DISCONNECT: a coordinator says it only to a worker it forgot, and the worker
+        # then drops every session it held, this fuzz's reference sessions with them)
         "tokenize": lambda rng: ({"add_special": rng.random() < 0.5, "parse_special": rng.random() < 0.5,
                                   **({"limit": rng.choice([1, 5, 2048])} if rng.random() < 0.3 else {})},
                                  rng.choice([b"hello", "<|im_start|>hi".encode(), "é".encode() * 50, b"", b"\xff\xfe",
                                              None])),
-        "detokenize": lambda rng: ({}, rng.choice([P.tokens_frame(t) for t in ([1, 2, 3], [49151], [N_VOCAB], [-1],
+        "detokenize": lambda rng: ({}, rng.choice([bytes(P.tokens_frame(t)) for t in ([1, 2, 3], [49151], [N_VOCAB], [-1],
                                                                                 [0] * 100)] + [b"\x01\x02\x03", None])),
         "template": lambda rng: ({"add_generation_prompt": rng.random() < 0.5},
                                  rng.choice([msgpack.packb([{"role": "user", "content": "hi"}]),
@@ -1131,7 +1132,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             t0 = time.monotonic()
             request(P.HEALTH)
             if batch_no % 4 == 0:   # the stage loop too: a text request is its job, queued with the sessions'
-                request(P.DETOKENIZE, P.tokens_frame([1, 2, 3]))
+                request(P.DETOKENIZE, bytes(P.tokens_frame([1, 2, 3])))
             probes.append(time.monotonic() - t0)
             if hung:
                 break
@@ -1174,7 +1175,8 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
             # last, a frame past the worker socket's own limit: ZeroMQ drops that connection
             # (a protocol error, which libzmq never reconnects by itself); the worker must
             # find its coordinator again, within its liveness window plus a reconnect
-            router.send([fuzz.pack({"v": P.VERSION, "type": "heartbeat", "rid": 1}), bytes(5 * WORKER_MAX_PAYLOAD)])
+            router.send([fuzz.pack({"v": P.VERSION, "type": "heartbeat", "rid": 1}),
+                         bytes(3 * (max(WORKER_MAX_PAYLOAD, P.MAX_TEXT_BYTES) + P.MAX_HEADER_BYTES))])
             if not router.drain(bound=REJOIN_BOUND_S, until_new_identity=True):
                 replies.violate("cut off", f"the worker did not reconnect within {REJOIN_BOUND_S} s after ZeroMQ "
                                 "dropped its connection over a message past its size limit")
