@@ -124,9 +124,11 @@ def test_capabilities_past_the_limits_or_against_the_model_are_refused_in_bounde
                 intruder.send(P.encode(P.READY, 1, capability={k: v for k, v in cap.items() if v is not None}))
                 reply = intruder.recv(timeout=30)
                 assert reply.type == P.ERROR and reply["code"] == "bad_field", (name, reply)
+                print(f"READY with {name}: refused in {1000 * (time.monotonic() - t0):.1f} ms")
                 assert time.monotonic() - t0 < 30, name
             assert session.result(120).tokens == expected
             assert len(coordinator.workers_snapshot()) == 2
+            print(f"coordinator's process RSS {rss_before >> 20} -> {rss_bytes() >> 20} MiB; the session in flight exact")
             assert rss_bytes() - rss_before < 64 << 20
         finally:
             intruder.close()
