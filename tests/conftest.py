@@ -1,12 +1,17 @@
 """Shared fixtures: the real models, installed and checked by meshnet.models; and the
 command line as a user runs it."""
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
@@ -139,3 +144,54 @@ def run_bounded(args, *, timeout, env=None, grace=30, context=None):
         pytest.fail(f"{args[0]} ended (status {process.returncode}) but these processes it started were still "
                     f"running {grace} s later (killed now): {left}\n--- its stderr:\n{stderr}", pytrace=False)
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def serving(*args, env=None, ready_within=300):
+    """`meshnet serve --port 0 ARGS...` in a process group of its own, yielding (its base
+    URL, the lines of its stderr so far, its pid) once /health says ready; stopped with Ctrl-C
+    after, its group with it, and it must have printed no traceback (no request made it
+    fail with a 500)."""
+    process = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "serve", "--port", "0", *args], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    lines, found = [], []
+
+    def read():   # the workers' stderr passes through here too
+        for line in process.stderr:
+            lines.append(line)
+            if not found:
+                found.extend(re.findall(r"meshnet serve: \S+ on (http://127\.0\.0\.1:\d+)/v1", line))
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + ready_within
+        while not found or not _ready(found[0]):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        yield found[0], lines, process.pid
+    finally:
+        process.send_signal(signal.SIGINT)   # Ctrl-C: the server, then its workers, stop cleanly
+        try:
+            assert process.wait(timeout=120) == 0, "".join(lines)
+        finally:
+            stop_group(process)
+    assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+def _ready(url) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            return json.loads(response.read())["status"] == "ready"
+    except (urllib.error.URLError, OSError, ValueError):   # 503 until a route forms, or not listening yet
+        return False
+
+
+def whole_model_tokens(path, prompt: str, n_tokens: int, n_ctx: int = 1024):
+    """(the prompt's tokens, the whole model's greedy continuation of them) in this
+    process: what a route of any split must give."""
+    from meshnet.gguf_layout import read_layout
+    from meshnet.pipeline import LocalPipeline
+
+    with LocalPipeline(path, [(0, read_layout(path).n_layer)], n_ctx=n_ctx, max_sessions=1, n_threads=THREADS) as whole:
+        tokens = whole.head.tokenize(prompt)
+        return tokens, whole.generate(tokens, n_tokens, stop_at_eog=False).tokens

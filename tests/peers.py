@@ -215,7 +215,11 @@ class FakeWorker:
 
         def beat():
             while self._beating:
-                self.send(P.encode(P.HEARTBEAT, 0))
+                try:   # a coordinator that refused our handshake leaves no link to queue on
+                    with self._lock:
+                        self.sock.send_multipart(P.encode(P.HEARTBEAT, 0), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 time.sleep(interval)
         self._beat = threading.Thread(target=beat, daemon=True)
         self._beat.start()

@@ -19,9 +19,8 @@ from meshnet.coordinator import Coordinator
 from meshnet.engine import Entry, Stage
 from meshnet.errors import MeshnetError
 from meshnet.metrics import MetricsServer, rss_bytes
-from meshnet.pipeline import LocalPipeline
 
-from conftest import THREADS
+from conftest import THREADS, whole_model_tokens
 from peers import FakeCoordinator, FakeWorker, capability, free_port, rss_kib, start_worker, wait_until
 
 PROMPT = "The old lighthouse keeper climbed the stairs every night, and"
@@ -31,9 +30,7 @@ N_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
-    with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=512, max_sessions=1, n_threads=THREADS) as whole:
-        tokens = whole.head.tokenize(PROMPT)
-        return tokens, whole.generate(tokens, N_TOKENS, stop_at_eog=False).tokens
+    return whole_model_tokens(smollm2_path, PROMPT, N_TOKENS, n_ctx=512)
 
 
 def meshnet(*args, timeout=60):

@@ -2,9 +2,6 @@
 single-stage run printed. Real workers on loopback; a fake peer appears only as the
 intruder, the input of the code under test."""
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,12 +12,11 @@ from meshnet.chat import prompt_tokens
 from meshnet.coordinator import Coordinator
 from meshnet.errors import MeshnetError
 from meshnet.metrics import MetricsServer, rss_bytes
-from meshnet.pipeline import LocalPipeline
 from meshnet.planner import ModelCost, Node, plan
 from meshnet.tracker import StageOffer, build_route, CompatClass
 from meshnet.layers import LayerRange
 
-from conftest import THREADS, last_json_line, meshnet
+from conftest import THREADS, last_json_line, meshnet, whole_model_tokens
 from peers import FakeCoordinator, FakeWorker, capability, start_worker, wait_until
 from meshnet.cli import _status_table
 
@@ -31,9 +27,7 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
-    with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=1024, max_sessions=1, n_threads=THREADS) as whole:
-        tokens = whole.head.tokenize(PROMPT)
-        return tokens, whole.generate(tokens, N_TOKENS, stop_at_eog=False).tokens
+    return whole_model_tokens(smollm2_path, PROMPT, N_TOKENS, n_ctx=1024)
 
 
 # 2. one stage: the summary and --json, on workers and in one process

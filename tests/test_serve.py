@@ -5,7 +5,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from meshnet.engine import Stage
 from meshnet.serve import StopScanner
 
-from conftest import stop_group
+from conftest import serving
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
@@ -34,37 +33,9 @@ SETTLE_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    """One server for the module: 8 session slots, an API key given in the environment. In
-    a process group of its own: whatever it started is stopped with it, however the tests end."""
-    process = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "serve", "--port", "0", "--ctx", "1024",
-                                "--max-sessions", str(SLOTS)], env=dict(os.environ, MESHNET_API_KEY=KEY),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    lines, found = [], []
-
-    def read():   # the workers' stderr passes through here too
-        for line in process.stderr:
-            lines.append(line)
-            if not found:
-                found.extend(re.findall(r"meshnet serve: smollm2 on (http://127\.0\.0\.1:\d+)/v1", line))
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 300
-        while not found:
-            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
-            time.sleep(0.1)
-        url = found[0]
-        while health(url, ok=(200, 503))["status"] != "ready":
-            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
-            time.sleep(0.1)
+    """One server for the module: 8 session slots, an API key given in the environment."""
+    with serving("--ctx", "1024", "--max-sessions", str(SLOTS), env=dict(os.environ, MESHNET_API_KEY=KEY)) as (url, *_):
         yield url
-    finally:
-        process.send_signal(signal.SIGINT)   # Ctrl-C: the server, then its workers, stop cleanly
-        try:
-            assert process.wait(timeout=120) == 0, "".join(lines)
-        finally:
-            stop_group(process)
-    assert "Traceback" not in "".join(lines), "".join(lines)
 
 
 def health(url, ok=(200,)):

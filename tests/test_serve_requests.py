@@ -6,17 +6,14 @@ subprocess on loopback, in front of two worker processes running SmolLM2)."""
 import http.client
 import json
 import os
-import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+
+from conftest import serving
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
@@ -27,31 +24,8 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     """One server for the module, as tests/test_serve.py starts it."""
-    process = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "serve", "--port", "0", "--ctx", "1024",
-                                "--max-sessions", "2"], env=dict(os.environ, MESHNET_API_KEY=KEY),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines, found = [], None
-    try:
-        for line in process.stderr:   # the workers' stderr passes through here too
-            lines.append(line)
-            found = re.search(r"meshnet serve: smollm2 on (http://127\.0\.0\.1:\d+)/v1", line)
-            if found:
-                break
-        assert found, "".join(lines)
-        threading.Thread(target=lines.extend, args=(process.stderr,), daemon=True).start()
-        url = found.group(1)
-        deadline = time.monotonic() + 60
-        while health(url) != "ready":
-            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
-            time.sleep(0.1)
+    with serving("--ctx", "1024", "--max-sessions", "2", env=dict(os.environ, MESHNET_API_KEY=KEY)) as (url, *_):
         yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            assert process.wait(timeout=30) == 0, "".join(lines)
-        finally:
-            process.kill()
-    assert "Traceback" not in "".join(lines), "".join(lines)   # no request made the server fail (a 500)
 
 
 def health(url):
