@@ -78,4 +78,3 @@ def test_serve_stopped_for_3_s_goes_on_with_the_same_text(smollm2_path):
         assert after_pause == plain, "".join(lines)
         print(f"serve stopped for {PAUSE_S:g} s: the next chunk came {gap:.2f} s after SIGCONT")
         assert gap < 30, gap   # a minute's deadline would have been the only way out before
-
