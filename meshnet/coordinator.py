@@ -428,18 +428,9 @@ class Coordinator:
         by its template) wants parse_special. With a limit, a text of more tokens is
         refused with context_full, at once when its length alone proves it."""
         data = utf8_or_error(text, "the text")
-
-        def too_long(route: list[WorkerRecord]) -> None:
-            if len(data) > P.MAX_TEXT_BYTES:
-                raise MeshnetError(E.CONTEXT_FULL if limit else E.INVALID_ARGUMENT,
-                                   f"the text is {len(data)} bytes, more than the {P.MAX_TEXT_BYTES} tokenized at once")
-            per_token = route[0].capability.get("max_token_bytes")
-            if limit and per_token and len(data) > limit * _bytes_per_token_at_most(per_token):
-                raise MeshnetError(E.CONTEXT_FULL, f"the text is {len(data)} bytes, so at least "
-                                   f"{len(data) // _bytes_per_token_at_most(per_token)} tokens: more than {limit}",
-                                   field="prompt")
         answer = self._query_stage(0, P.TOKENIZE, {"add_special": add_special, "parse_special": parse_special,
-                                                   "limit": limit}, payload=data, check=too_long).result(timeout)
+                                                   "limit": limit}, payload=data,
+                                   check=_fits(len(data), limit, "the text", "prompt")).result(timeout)
         return np.frombuffer(answer, dtype="<i4").tolist()
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, timeout: float = 30.0,
@@ -455,14 +446,9 @@ class Coordinator:
             if not isinstance(m, dict) or set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
                 raise MeshnetError(E.INVALID_ARGUMENT, f"message {i} is not {{'role': text, 'content': text}}")
             size += len(utf8_or_error(m["role"], f"message {i}'s role")) + len(utf8_or_error(m["content"], f"message {i}'s content"))
-
-        def too_long(route: list[WorkerRecord]) -> None:
-            per_token = route[0].capability.get("max_token_bytes")
-            if size > P.MAX_TEXT_BYTES or (limit and per_token and size > limit * _bytes_per_token_at_most(per_token)):
-                raise MeshnetError(E.CONTEXT_FULL, f"the messages are {size} bytes of text: more than a context "
-                                   f"of {limit} tokens could hold", field="messages")
         answer = self._query_stage(0, P.TEMPLATE, {"add_generation_prompt": add_generation_prompt},
-                                   payload=msgpack.packb(messages, use_bin_type=True), check=too_long).result(timeout)
+                                   payload=msgpack.packb(messages, use_bin_type=True),
+                                   check=_fits(size, limit, "the messages' text", "messages")).result(timeout)
         return answer.decode("utf-8", errors="replace")
 
     def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
@@ -770,7 +756,9 @@ class Coordinator:
     def _lose_worker(self, worker: WorkerRecord, reason: str) -> None:
         if self.workers.pop(worker.identity, None) is None:
             return
-        log.warning("coordinator: lost worker %s (%s): %s", worker.name, worker.label, reason)
+        # a worker that said goodbye left as asked (every run's end): only a loss is news
+        log.log(logging.INFO if reason == "said goodbye" else logging.WARNING, "coordinator: lost worker %s (%s): %s",
+                worker.name, worker.label, reason)
         self.counters["workers_lost"] += 1
         if worker.offer is not None or worker.assigning is not None:
             self._guarded("planning for the standby workers", self._plan_standby)
@@ -1208,11 +1196,21 @@ class Coordinator:
             self._fail(session, MeshnetError(E.CANCELLED, f"session {sid} was cancelled", session=sid), cancel=True)
 
 
-def _bytes_per_token_at_most(max_token_bytes: int) -> int:
-    """The most text one token can stand for, from the longest piece the head reported:
-    twice it, and never under 64 bytes, since the control tokens a chat template writes
-    out are not among the pieces measured."""
-    return 2 * max(max_token_bytes, 32)
+def _fits(size: int, limit: int | None, what: str, field: str) -> Callable[[list[WorkerRecord]], None]:
+    """A text request's check before it is sent: SIZE bytes of text at most MAX_TEXT_BYTES,
+    and, with a LIMIT in tokens, no longer than LIMIT tokens could be. The most text one
+    token can stand for is twice the longest piece the head reported, and never under 64
+    bytes, since the control tokens a chat template writes out are not among the pieces
+    measured."""
+    def check(route: list[WorkerRecord]) -> None:
+        if size > P.MAX_TEXT_BYTES:
+            raise MeshnetError(E.CONTEXT_FULL if limit else E.INVALID_ARGUMENT,
+                               f"{what} is {size} bytes, more than the {P.MAX_TEXT_BYTES} taken at once", field=field)
+        per_token = route[0].capability.get("max_token_bytes")
+        if limit and per_token and size > limit * 2 * max(per_token, 32):
+            raise MeshnetError(E.CONTEXT_FULL, f"{what} is {size} bytes, so at least {size // (2 * max(per_token, 32))} "
+                               f"tokens: more than {limit}", field=field)
+    return check
 
 
 def _same_host(endpoint: str) -> str:
