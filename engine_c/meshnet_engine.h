@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 3
+#define MESHNET_ENGINE_ABI_VERSION 4
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -54,6 +54,21 @@ typedef enum {
 
 typedef struct meshnet_stage meshnet_stage;
 
+/* Which kernels a stage computes with: part of a route's compatibility class, since the
+ * two classes round differently and a route mixing them would give neither's output. */
+typedef enum {
+    /* every row's result is bit-identical however the rows were batched: alone, in a
+     * prompt chunk of any size, beside other sessions' rows (no repacked weight layouts,
+     * no llamafile sgemm, no tiled matmul, no flash attention); CPU only */
+    MESHNET_NUMERICS_INVARIANT = 0,
+    /* stock llama.cpp's kernels, as its default build runs them: the same tokens as
+     * stock for a session fed as stock feeds it; a row depends on its batch */
+    MESHNET_NUMERICS_STOCK     = 1,
+    /* the kernels of meshnet before the classes (no repacked layouts, the rest stock),
+     * kept so that `meshnet bench` can measure the classes against it */
+    MESHNET_NUMERICS_BASELINE  = 2
+} meshnet_numerics;
+
 typedef struct {
     const char * model_path;
     int32_t layer_start;   /* both 0: the whole model */
@@ -66,6 +81,7 @@ typedef struct {
     int32_t flash_attn;    /* 1 = flash attention; results then depend on how a prompt is chunked */
     int32_t gpu;           /* 1 = every layer, the KV cache and the compute on the first GPU;
                               0 = the CPU alone, also in an engine built with a GPU backend */
+    int32_t numerics;      /* a meshnet_numerics */
 } meshnet_stage_params;
 
 typedef struct {
@@ -90,6 +106,7 @@ typedef struct {
     char     backend[16];     /* where the layers run: "CPU", or the GPU backend's name ("CUDA") */
     char     device[128];     /* that processor, as ggml describes it ("NVIDIA H200", a CPU's model name) */
     char     engine_pin[192]; /* as meshnet_engine_pin() */
+    int32_t  numerics;        /* the meshnet_numerics it computes with */
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other

@@ -51,13 +51,6 @@ void log_to_thread(enum ggml_log_level level, const char * text, void *) {
 void init_llama_once() {
     static std::once_flag once;
     std::call_once(once, [] {
-        // ggml's CPU backend multiplies K-quant weights (Q4_K, Q6_K, ...) with a tiled
-        // kernel once a batch has 8 rows or more and with per-row dot products below that;
-        // the two round differently, so a row's result would depend on how many rows
-        // shared its forward call: a prompt chunked otherwise, or a session batched with
-        // others, would give other logits. The switch is read once per process, by ggml
-        // itself; a user who sets it explicitly keeps their choice.
-        setenv("GGML_CPU_TILED_MM", "0", /*overwrite=*/0);
         llama_log_set(log_to_thread, nullptr);
         llama_backend_init();
     });
@@ -207,6 +200,21 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         err = "stage parameters and a model path are required";
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
+    if (p->numerics < MESHNET_NUMERICS_INVARIANT || p->numerics > MESHNET_NUMERICS_BASELINE) {
+        err = format("numerics %d is not a class: 0 (invariant), 1 (stock) or 2 (baseline)", p->numerics);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    const bool invariant = p->numerics == MESHNET_NUMERICS_INVARIANT;
+    if (invariant && p->flash_attn) {
+        err = "flash attention's CPU kernels change with the number of rows, so the invariant numerics class "
+              "runs without it: choose the stock class to use flash attention";
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    if (invariant && p->gpu) {
+        err = "the invariant numerics class runs on the CPU only (a GPU's matmul kernels change with the number "
+              "of rows): choose the stock class for a GPU stage";
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
     if (p->n_ctx < 1 || p->max_sessions < 1 || p->max_sessions > 256 || p->n_batch < 1 ||
         p->n_ubatch < 0 || p->n_threads < 0) {
         err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
@@ -259,11 +267,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
     mparams.layer_start = ranged ? il_start : 0;
     mparams.layer_end   = ranged ? il_end   : 0;
-    // no repacked weight layouts (Q4_K, Q4_0, IQ4_NL on AVX2/NEON): their kernels run a
-    // gemm over groups of 4 rows and a gemv over the rest, which round differently, so a
-    // session's logits would depend on which sessions shared its forward call. With the
-    // plain layout every row is its own dot products: batching stays bit-exact.
-    mparams.use_extra_bufts = false;
+    // repacked weight layouts (Q4_K, Q4_0, Q8_0, IQ4_NL on AVX2/NEON) only in the stock
+    // class: their kernels run a gemm over groups of 4 rows and a gemv over the rest, which
+    // round differently, so a row's logits would depend on the rows that shared its call.
+    // With the plain layout every row is its own dot products.
+    mparams.use_extra_bufts = p->numerics == MESHNET_NUMERICS_STOCK;
     stage->model = llama_model_load_from_file(p->model_path, mparams);
     if (!stage->model) {
         err = format("llama.cpp could not load '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
@@ -285,9 +293,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.embeddings      = !is_tail;  // before the tail the residual of every token is the output
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
     cparams.no_perf         = true;
-    // off unless asked: the CPU flash-attention kernels change with the batch size, so a
-    // prompt sent in chunks would no longer give bit-identical results
+    // off unless asked (the invariant class refused it above): the CPU flash-attention
+    // kernels change with the batch size
     cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    // no llamafile sgemm, tiled matmul or row-pair kernels in the invariant class (0005)
+    cparams.row_invariant   = invariant;
     cparams.abort_callback      = abort_callback;
     cparams.abort_callback_data = stage;
     cparams.offload_kqv = p->gpu != 0;   // the KV cache beside the layers that use it
@@ -338,6 +348,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         info.device_total = total_bytes;
     }
     std::snprintf(info.engine_pin, sizeof(info.engine_pin), "%s", meshnet_engine_pin());
+    info.numerics = p->numerics;
     return MESHNET_OK;
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from pathlib import Path
 import sys
 
@@ -89,6 +90,21 @@ def _local_keys_option(command):
                              "--insecure: plain links, which any local process can join")(command)
 
 
+def _numerics_option(command=None, *, baseline: bool = False):
+    """--numerics: which kernels the stages compute with (meshnet/numerics.py). The worker
+    also takes `baseline`, the kernels before the classes, for `meshnet bench` alone."""
+    from . import numerics
+
+    def decorate(command):
+        return click.option("--numerics", type=click.Choice(numerics.CLASSES if baseline else numerics.CHOICES),
+                            default=None,
+                            help="invariant: every row's logits bit-identical however rows are batched (CPU only); "
+                                 "stock: stock llama.cpp's default kernels and its tokens for one session, but a "
+                                 "session batched with others may differ from it alone "
+                                 "[default: invariant; stock on a GPU]")(command)
+    return decorate(command) if command is not None else decorate
+
+
 def _resume_options(command):
     """A session that loses a stage is replayed on a new route: at once when one stands
     ready (a spare), or when one forms within --resume-wait seconds."""
@@ -143,9 +159,10 @@ def _sampling(flags: dict):
 @click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
 @_local_keys_option
+@_numerics_option
 @_sampling_options
 @_resume_options
-def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure,
+def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure, numerics,
         resume_wait, max_resumes, **sampling_flags):
     """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
     from .chat import answer_sampling
@@ -173,15 +190,19 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
         stream = None if as_json else _TextStreamer(prompt if chat_message is None else "")
         if in_process:
             tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
-                                                                 chat_message=chat_message, sampling=sampling)
+                                                                 chat_message=chat_message, sampling=sampling,
+                                                                 numerics=numerics)
         else:
             tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
                                                                  secure, chat_message=chat_message, sampling=sampling,
-                                                                 resume_wait=resume_wait, max_resumes=max_resumes)
+                                                                 resume_wait=resume_wait, max_resumes=max_resumes,
+                                                                 numerics=numerics)
     except MeshnetError as e:
         _fail(e)
 
-    metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process, curve=secure)
+    from .numerics import DEFAULT
+    metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process, curve=secure,
+                   numerics=numerics or DEFAULT)
     if sampling is not None:
         metrics["sampling"] = sampling.to_wire()   # with its seed: the run can be replayed
     if as_json:
@@ -205,10 +226,11 @@ def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
         raise MeshnetError(errors.CONTEXT_FULL, f"{n_prompt} prompt tokens + {max_tokens} new ones exceed --ctx {n_ctx}")
 
 
-def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, chat_message=None, sampling=None):
+def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, chat_message=None, sampling=None,
+                    numerics=None):
     from .pipeline import LocalPipeline
 
-    with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads) as pipe:
+    with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads, numerics=numerics) as pipe:
         if chat_message is None:
             prompt_tokens = pipe.head.tokenize(prompt)
         else:   # as the workers' head does it (meshnet/chat.py prompt_tokens)
@@ -221,12 +243,12 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, ch
 
 
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
-                    sampling=None, resume_wait=0.0, max_resumes=2):
+                    sampling=None, resume_wait=0.0, max_resumes=2, numerics=None):
     from .chat import prompt_tokens as chat_tokens
     from .cluster import LocalCluster
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
-                      resume_wait=resume_wait, max_resumes=max_resumes) as cluster:
+                      resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -265,8 +287,9 @@ class _TextStreamer:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="tokens per answer at most")
 @click.option("--system", default=None, help="a system message that opens the conversation (and stays in it)")
 @_local_keys_option
+@_numerics_option
 @_sampling_options
-def chat(model, stages, threads, n_ctx, max_tokens, system, secure, **sampling_flags):
+def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, **sampling_flags):
     """Talk with the model split into stages (worker processes on this machine), through its own chat template.
 
     Ctrl-C stops an answer, Ctrl-D quits."""
@@ -283,7 +306,8 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, **sampling_f
             utf8_or_error(system, "--system")
         path, _ = models.resolve(model)
         ranges = read_layout(path).balanced_ranges(stages or 2)
-        with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure) as cluster:
+        with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
+                          numerics=numerics) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "
@@ -331,8 +355,9 @@ def _readline_if_terminal() -> None:
                                                  "may send this stage activations")
 @click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
                                             "make GPU=cuda); it then reports backend CUDA and the GPU's name")
+@_numerics_option(baseline=True)
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from . import security
     from .worker import StageWorker, WorkerConfig
@@ -342,11 +367,14 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
     if (secret_file is None) != (coordinator_key_file is None):
         raise click.UsageError("--secret and --coordinator-key go together: this worker's key and the coordinator's")
     _refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
+    if numerics == "baseline":
+        # the engine before the classes turned the tiled matmul off for its whole process
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     try:
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu,
+                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None)
         if max_queue is not None:
@@ -559,7 +587,8 @@ def _stage_indices(text: str) -> tuple[int, ...] | str:
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), default=64, show_default=True, help="greedy tokens per prompt")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage and for the whole model [default: one per core]")
 @click.option("--json", "as_json", is_flag=True)
-def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as_json):
+@_numerics_option
+def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as_json, numerics):
     """How far a route of worker processes drifts from the whole model: the bench prompts,
     each step teacher-forced; top-1 agreement, max |logit diff|, KL(whole || route) and the
     first step where the top-1 tokens part, with the route's decode rate. On one backend
@@ -580,7 +609,7 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
             raise click.BadParameter(f"the route has {len(ranges)} stages, positions 0 to {len(ranges) - 1}",
                                      param_hint="--gpu")
         cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1, gpu_stages=gpu_stages,
-                               allow_mixed=allow_mixed)
+                               allow_mixed=allow_mixed, numerics=numerics)
         report = measure_route(cluster, path, n_tokens, threads)
     except MeshnetError as e:
         _fail(e)
@@ -713,15 +742,17 @@ def plan(model, nodes, n_ctx, sessions, overhead, as_json):
 @click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
 @click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
                                             "(--host); local workers: plain links instead of fresh CURVE keys")
+@_numerics_option
 @_resume_options
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
-          resume_wait, max_resumes):
+          numerics, resume_wait, max_resumes):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from . import security
     from .serve import listen
     from .serve import serve as run_server
 
-    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions}
+    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions,
+             "--numerics": numerics}
     if bind is not None and any(v is not None for v in local.values()):
         raise click.UsageError(f"{next(k for k, v in local.items() if v is not None)} is for local workers: with "
                                "--coordinator, give it to each meshnet worker")
@@ -740,7 +771,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
         options.update(resume_wait=resume_wait, max_resumes=max_resumes)
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or 2048, max_sessions=max_sessions or 8,
-                   secure=not insecure, echo=lambda line: click.echo(line, err=True))
+                   secure=not insecure, numerics=numerics, echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         _fail(e)
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from . import numerics as numerics_classes
 from .coordinator import Coordinator
 from . import errors
 from .errors import MeshnetError
@@ -126,12 +127,16 @@ class LocalCluster:
         pin_cpus: bool = True,
         secure: bool = True,
         gpu_stages: Sequence[int] = (),
+        numerics: str | None = None,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
         self.ranges = [_layer_range(r) for r in ranges]
         self.worker_options = {"threads": threads, "ctx": n_ctx, "max-sessions": max_sessions, "max-queue": max_queue,
-                               "heartbeat-interval": heartbeat_interval, "heartbeat-liveness": heartbeat_liveness}
+                               "heartbeat-interval": heartbeat_interval, "heartbeat-liveness": heartbeat_liveness,
+                               # one class for the whole route, a GPU stage's or not (a GPU runs stock)
+                               "numerics": numerics or numerics_classes.default_for(bool(gpu_stages))}
+        self.numerics = self.worker_options["numerics"]
         if heartbeat_interval is not None:
             coordinator_options["heartbeat_interval"] = heartbeat_interval
         if heartbeat_liveness is not None:

@@ -38,6 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from . import endpoints
+from . import numerics
 from . import errors as E
 from .engine import utf8_or_error
 from .errors import MeshnetError
@@ -370,7 +371,11 @@ class Coordinator:
         if self.drift_meter is None:
             return {"measured": False, "why": "no whole model to compare with: give the coordinator a reference "
                                                "model (meshnet coordinator --reference MODEL)"}
-        return dict(self.drift_meter.measure(prompt_tokens, tokens, logits), measured=True)
+        try:   # the whole model computes in the route's class
+            numerics_class = self.route()[0].compat_class.numerics
+        except MeshnetError:
+            numerics_class = None
+        return dict(self.drift_meter.measure(prompt_tokens, tokens, logits, numerics=numerics_class), measured=True)
 
     def route_report(self) -> dict:
         """The route (or why there is none) and why each registered worker is not in it."""
@@ -949,7 +954,10 @@ class Coordinator:
             events.put(("error", MeshnetError(E.CONTEXT_FULL, f"{len(gen.prompt)} prompt + {gen.rule.max_tokens} new "
                                               f"tokens exceed the route's context of {n_ctx}", session=sid)))
             return
-        gen.chunk = min(gen.chunk, *(w.capability["n_batch"] for w in route))
+        n_batch = min(w.capability["n_batch"] for w in route)
+        # the stock class feeds a prompt as stock llama.cpp does, in batches of n_batch: its
+        # kernels change with the rows in a call, so other chunks would give other tokens
+        gen.chunk = n_batch if route[0].capability["numerics"] == numerics.STOCK else min(gen.chunk, n_batch)
         session = Session(sid, 0, [], gen, want_logits, events, 0.0, sampling=sampling)
         self.sessions[sid] = session
         self._open_route(session, route)

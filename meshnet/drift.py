@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import numerics as numerics_classes
 from .engine import Entry
 
 SESSION = 1
@@ -42,19 +43,27 @@ class DriftMeter:
     def __init__(self, model_path: str | Path, n_ctx: int = 2048, n_threads: int = 0):
         self.model_path, self.n_ctx, self.n_threads = str(model_path), n_ctx, n_threads
         self._pipeline = None
+        self._numerics = None
         self._lock = threading.Lock()
 
-    def measure(self, prompt_tokens: Sequence[int], tokens: Sequence[int], logits: Sequence[np.ndarray]) -> dict:
+    def measure(self, prompt_tokens: Sequence[int], tokens: Sequence[int], logits: Sequence[np.ndarray],
+                numerics: str | None = None) -> dict:
         """Per step k: the whole model's logits after the prompt and tokens[:k], against
-        the route's token k and logits k."""
+        the route's token k and logits k. The whole model computes in the route's numerics
+        class (the prompt in one step, as the stock class feeds it)."""
         from .gguf_layout import read_layout
         from .pipeline import LocalPipeline
 
+        numerics = numerics or numerics_classes.DEFAULT
         with self._lock:
+            if self._pipeline is not None and self._numerics != numerics:
+                self._pipeline.close()
+                self._pipeline = None
             if self._pipeline is None:
                 n_layer = read_layout(self.model_path).n_layer
                 self._pipeline = LocalPipeline(self.model_path, [(0, n_layer)], n_ctx=self.n_ctx, max_sessions=1,
-                                               n_threads=self.n_threads)
+                                               n_threads=self.n_threads, numerics=numerics)
+                self._numerics = numerics
             whole = self._pipeline
             whole.open_session(SESSION)
             try:
@@ -105,7 +114,7 @@ def measure_route(cluster, model_path: str | Path, n_tokens: int, n_threads: int
                 tokens = coordinator.tokenize(prompt)
                 timed = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600)
                 run = coordinator.generate(tokens, n_tokens, want_logits=True, stop_at_eog=False).result(600)
-                measured = meter.measure(tokens, run.tokens, run.logits)
+                measured = meter.measure(tokens, run.tokens, run.logits, numerics=cluster.numerics)
                 prompts.append({"prompt": prompt, **{k: measured[k] for k in (
                     "top1_agreement", "max_abs_logit_diff", "max_kl", "first_divergence")},
                     "route_decode_tok_s": timed.metrics["decode_tok_s"], "whole_decode_tok_s": measured["decode_tok_s"],

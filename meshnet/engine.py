@@ -18,13 +18,14 @@ from cffi import FFI
 from . import errors
 from .errors import MeshnetError
 from .layers import LayerRange
+from . import numerics as numerics_classes
 from .sampling import Sampling
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -131,6 +132,7 @@ class StageInfo:
     backend: str          # "CPU" or "CUDA"
     device: str           # the GPU's or the CPU's name
     engine_pin: str
+    numerics: str         # the numerics class (meshnet/numerics.py)
 
 
 @dataclass
@@ -191,6 +193,7 @@ class Stage:
         n_threads: int = 0,
         flash_attn: bool = False,
         gpu: bool = False,
+        numerics: str | None = None,
     ):
         lib = library(gpu)
         self._lib = lib
@@ -209,6 +212,7 @@ class Stage:
                 "n_threads": n_threads,
                 "flash_attn": flash_attn,
                 "gpu": gpu,
+                "numerics": numerics_classes.code(numerics or numerics_classes.default_for(gpu)),
             },
         )
         out = _ffi.new("meshnet_stage **")
@@ -258,6 +262,7 @@ class Stage:
         fields["is_head"], fields["is_tail"] = bool(raw.is_head), bool(raw.is_tail)
         for name in ("arch", "engine_pin", "backend", "device"):
             fields[name] = _ffi.string(getattr(raw, name)).decode(errors="replace")
+        fields["numerics"] = numerics_classes.name(raw.numerics)
         return StageInfo(**fields)
 
     @property

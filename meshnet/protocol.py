@@ -25,10 +25,12 @@ import numpy as np
 
 from . import errors as E
 from .errors import MeshnetError
+from . import numerics
 from .sampling import Sampling
 
-VERSION = 4   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
-              # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame
+VERSION = 5   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+              # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
+              # 5: the stage's numerics class in READY
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -252,6 +254,7 @@ CAPABILITY_FIELDS: dict[str, tuple] = {
     "backend": (STR, True, _short_text),         # "CPU" or "CUDA": part of the compatibility class
     "device": (STR, False, _short_text),         # the processor the layers run on, by name (once it holds layers)
     "wire_dtype": (STR, True, lambda v: v == "f32"),
+    "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
     "max_sessions": (INT, True, _at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, _at_most(MAX_CTX)),
     "n_batch": (INT, True, _at_most(MAX_BATCH)),

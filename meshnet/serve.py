@@ -710,7 +710,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = 2048,
-          max_sessions: int = 8, secure: bool = True, echo=print) -> None:
+          max_sessions: int = 8, secure: bool = True, numerics: str | None = None, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -740,8 +740,11 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
             ranges = read_layout(path).balanced_ranges(stages)
             # the workers ignore the terminal's Ctrl-C: they are closed after the server
             resume = {k: v for k, v in (coordinator_options or {}).items() if k in ("resume_wait", "max_resumes")}
+            if numerics == "stock" and max_sessions > 1:
+                echo("meshnet serve: numerics stock: one request alone gets stock llama.cpp's tokens; requests "
+                     "batched together may get others (--numerics invariant holds them under any batching)")
             with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
-                              **resume) as cluster:
+                              numerics=numerics, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(bind, **(coordinator_options or {})) as coordinator:

@@ -2,7 +2,7 @@
 refusal that says why (gap, overlap, hash mismatch, incompatible class).
 
 Only workers of one compatibility class (model sha256, engine pin with its patch hash,
-backend, wire dtype) share a route; the others are kept out with a reason naming both
+backend, wire dtype, numerics class) share a route; the others are kept out with a reason naming both
 classes, and never stop the compatible ones from forming one. Several workers may offer
 the same range (spares): any live one will do. Between complete candidate routes the
 tracker prefers fewer stages, then the earliest registered workers, so the choice never
@@ -24,9 +24,10 @@ class CompatClass(NamedTuple):
     engine_pin: str
     backend: str
     wire_dtype: str
+    numerics: str
 
     def __str__(self) -> str:
-        return f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype}"
+        return f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype} numerics {self.numerics}"
 
     def differences(self, other: "CompatClass") -> str:
         """What differs, in words: 'model abc... vs def...; backend CPU vs CUDA'."""
@@ -70,7 +71,7 @@ class StageOffer:
 
 def compat_class_of(capability: dict) -> CompatClass:
     return CompatClass(capability["model_sha256"], capability["engine_pin"], capability["backend"],
-                       capability["wire_dtype"])
+                       capability["wire_dtype"], capability["numerics"])
 
 
 def offer_from_capability(worker: str, capability: dict, registered: int = 0) -> StageOffer:

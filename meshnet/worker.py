@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import endpoints
+from . import numerics as numerics_classes
 from . import errors as E
 from . import protocol as P
 from .engine import Stage, engine_pin
@@ -73,6 +74,11 @@ class WorkerConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
     gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
+    numerics: str | None = None            # the numerics class (meshnet/numerics.py); None: the default for gpu
+
+    @property
+    def numerics_class(self) -> str:
+        return self.numerics or numerics_classes.default_for(self.gpu)
 
 
 # which bound each stage-loop job counts against (see StageWorker._queue)
@@ -170,7 +176,8 @@ class StageWorker:
         """The engine stage for these layers, as this worker's options say."""
         config = self.config
         return Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                     n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu)
+                     n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
+                     numerics=config.numerics_class)
 
     @property
     def max_control_payload(self) -> int:
@@ -188,6 +195,7 @@ class StageWorker:
             # until a range is loaded the engine has not named its backend; the GPU engine is CUDA's
             "backend": "CUDA" if self.config.gpu else "CPU",
             "wire_dtype": "f32",
+            "numerics": self.config.numerics_class,
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
             "n_batch": self.config.n_batch,

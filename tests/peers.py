@@ -174,7 +174,7 @@ def capability(**overrides) -> dict:
     """A READY capability as a real SmolLM2 worker sends it."""
     cap = {"worker_id": "fake-" + str(time.monotonic_ns()), "model_sha256": SMOLLM2_SHA256, "arch": "llama",
            "layers": [0, 30], "n_layer": 30, "n_embd": 576, "n_vocab": 49152, "engine_pin": "llama.cpp@fake",
-           "backend": "CPU", "wire_dtype": "f32", "max_sessions": 4, "n_ctx": 256, "n_batch": 512,
+           "backend": "CPU", "wire_dtype": "f32", "numerics": "invariant", "max_sessions": 4, "n_ctx": 256, "n_batch": 512,
            "admitted_bytes": 1 << 20, "data_endpoint": "tcp://127.0.0.1:9", "clock_id": "fake", "pid": 1}
     cap.update(overrides)
     return cap

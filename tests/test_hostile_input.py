@@ -129,7 +129,7 @@ def test_capabilities_past_the_limits_or_against_the_model_are_refused_in_bounde
 
 
 def test_route_choice_and_planning_are_linear_in_the_layers():
-    cls = CompatClass("a" * 64, "pin", "CPU", "f32")
+    cls = CompatClass("a" * 64, "pin", "CPU", "f32", "invariant")
     n_layer = P.MAX_LAYERS
     offers = [StageOffer(f"w{i}", LayerRange(i, i + 1, n_layer), cls, registered=i) for i in range(n_layer)]
     t0 = time.monotonic()

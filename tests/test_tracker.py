@@ -10,7 +10,7 @@ from meshnet.tracker import CompatClass, StageOffer, build_route, choose_route, 
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
-CPU = ("llama.cpp@0c1e57098", "CPU", "f32")
+CPU = ("llama.cpp@0c1e57098", "CPU", "f32", "invariant")
 _order = itertools.count()
 
 
@@ -80,15 +80,22 @@ def test_hash_mismatch_is_refused_naming_both_models():
 
 
 def test_incompatible_class_is_refused_naming_the_difference():
-    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
+    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32", "invariant")
     message = refusal([offer("w1", 0, 15), offer("w2", 15, 30, compat=gpu)])
     assert "w2 [15,30) (incompatible class" in message
     assert "backend CUDA vs CPU" in message
 
 
+def test_a_route_that_mixes_numerics_classes_is_refused_naming_both():
+    stock = ("llama.cpp@0c1e57098", "CPU", "f32", "stock")
+    message = refusal([offer("w1", 0, 15), offer("w2", 15, 30, compat=stock)])
+    assert "w2 [15,30) (incompatible class" in message
+    assert "numerics stock vs invariant" in message
+
+
 def test_a_worker_of_another_class_never_makes_the_route_incomplete_for_the_compatible_ones():
-    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
-    other_pin = ("llama.cpp@0c1e57098 patches=ffff", "CPU", "f32")
+    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32", "invariant")
+    other_pin = ("llama.cpp@0c1e57098 patches=ffff", "CPU", "f32", "invariant")
     intruders = [offer("stranger", 0, 30, sha=SHA_B, n_layer=30, registered=-3),
                  offer("gpu", 0, 15, compat=gpu, registered=-2), offer("pin", 15, 30, compat=other_pin, registered=-1)]
     for permutation in itertools.permutations([offer("h", 0, 15), offer("t", 15, 30), *intruders]):
@@ -129,7 +136,7 @@ def test_two_models_each_with_a_route_the_earliest_registered_serves_without_a_f
 
 
 def test_allow_mixed_lets_other_classes_of_the_same_shape_in_and_says_the_route_is_mixed():
-    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32")
+    gpu = ("llama.cpp@0c1e57098", "CUDA", "f32", "invariant")
     offers = [offer("h", 0, 15), offer("t-gpu", 15, 30, compat=gpu), offer("other-model", 0, 10, sha=SHA_B, n_layer=20)]
     assert "incompatible class" in refusal(offers[:2])
     route = choose_route(offers, allow_mixed=True)
@@ -153,7 +160,7 @@ def test_no_offers_is_refused():
 
 def test_offer_from_capability_reads_the_fields_a_worker_announces():
     capability = {"model_sha256": SHA_A, "layers": [15, 30], "n_layer": 30, "engine_pin": CPU[0],
-                  "backend": "CPU", "wire_dtype": "f32", "n_embd": 576}
+                  "backend": "CPU", "wire_dtype": "f32", "numerics": "invariant", "n_embd": 576}
     assert offer_from_capability("w9", capability, registered=4) == offer("w9", 15, 30, registered=4)
 
 

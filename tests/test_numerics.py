@@ -1,0 +1,129 @@
+"""The numerics classes (meshnet/numerics.py): the invariant class gives every row the
+same bits however it is batched; the class is part of a route's compatibility class."""
+
+import numpy as np
+import pytest
+
+from meshnet.coordinator import Coordinator
+from meshnet.engine import Entry, Stage
+from meshnet.errors import MeshnetError
+from meshnet.gguf_layout import read_layout
+
+from conftest import THREADS
+from peers import start_worker, wait_until
+
+PROMPT = ("The old lighthouse keeper climbed the stairs every night, and on the last night of winter he saw a "
+          "ship with no lights at all drifting towards the rocks below")
+
+
+def feed(stage: Stage, sid: int, tokens: np.ndarray, cuts: list[int]) -> dict[int, np.ndarray]:
+    """TOKENS into a fresh session in the chunks CUTS marks; every row the stage gives
+    back, by position (a stage before the tail: each row's residual; the tail: the logits
+    of each chunk's last row)."""
+    stage.open_session(sid)
+    rows, start = {}, 0
+    for end in cuts + [len(tokens)]:
+        out = stage.forward([Entry(sid, start, tokens=tokens[start:end])])
+        if stage.is_tail:
+            rows[end - 1] = out.logits[0]
+        else:
+            rows.update(zip(range(start, end), out.residual))
+        start = end
+    stage.release_session(sid)
+    return rows
+
+
+def chunkings(n: int) -> dict[str, list[int]]:
+    return {"one chunk": [], "token by token": list(range(1, n)), "chunks of 5": list(range(5, n, 5)),
+            "uneven": [1, 3, 10, 11, 24][: max(0, n - 1)]}
+
+
+def assert_rows_agree(results: dict[str, dict[int, np.ndarray]]) -> None:
+    reference = results["token by token"]
+    for name, rows in results.items():
+        assert rows, name
+        for pos, row in rows.items():
+            diff = float(np.abs(row - reference[pos]).max())
+            assert diff == 0.0, f"{name}: row {pos} differs from the row fed alone by {diff}"
+
+
+def invariant_stages(path, n_layer):
+    """A head before the tail (every row's residual) and the whole model (logits)."""
+    return [Stage(path, (0, n_layer // 2), n_ctx=256, max_sessions=4, n_threads=THREADS),
+            Stage(path, n_ctx=256, max_sessions=4, n_threads=THREADS)]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen"])
+def test_invariant_rows_are_bit_identical_however_the_prompt_is_chunked(model, smollm2_path, qwen_path):
+    path = smollm2_path if model == "smollm2" else qwen_path
+    for stage in invariant_stages(path, read_layout(path).n_layer):
+        with stage:
+            assert stage.info().numerics == "invariant"
+            tokens = np.asarray(stage.tokenize(PROMPT), dtype=np.int32)
+            assert len(tokens) > 25
+            # (the tail gives logits for the rows that end a chunk: those are compared)
+            assert_rows_agree({name: feed(stage, i, tokens, cuts)
+                               for i, (name, cuts) in enumerate(chunkings(len(tokens)).items())})
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen"])
+def test_invariant_rows_beside_other_sessions_rows_are_what_they_are_alone(model, smollm2_path, qwen_path):
+    path = smollm2_path if model == "smollm2" else qwen_path
+    with Stage(path, (0, 2), n_ctx=256, max_sessions=4, n_threads=THREADS) as stage:
+        tokens = np.asarray(stage.tokenize(PROMPT), dtype=np.int32)
+        alone = feed(stage, 0, tokens, list(range(1, len(tokens))))
+        # the same prompt as one chunk beside another session's prompt chunk and a third's decode steps
+        for sid in (1, 2, 3):
+            stage.open_session(sid)
+        stage.forward([Entry(3, 0, tokens=tokens[:7])])
+        other = np.asarray(stage.tokenize("A different prompt entirely, of another length"), dtype=np.int32)
+        out = stage.forward([Entry(2, 0, tokens=other), Entry(1, 0, tokens=tokens), Entry(3, 7, tokens=tokens[7:8])])
+        mixed = dict(zip(range(len(tokens)), out.residual[len(other):len(other) + len(tokens)]))
+        decode_row = out.residual[-1]
+    assert_rows_agree({"token by token": alone, "mixed batch": mixed})
+    assert np.array_equal(decode_row, alone[7])
+
+
+def test_the_tail_s_logits_beside_other_sessions_rows_are_what_the_rows_give_alone(smollm2_path):
+    with Stage(smollm2_path, n_ctx=256, max_sessions=3, n_threads=THREADS) as whole:
+        tokens = np.asarray(whole.tokenize(PROMPT), dtype=np.int32)
+        alone = feed(whole, 0, tokens, list(range(1, len(tokens))))
+        whole.open_session(1)
+        whole.forward([Entry(1, 0, tokens=tokens[:20])])
+        # a 25-row prompt chunk and another session's decode step in one forward call
+        whole.open_session(2)
+        batched = whole.forward([Entry(2, 0, tokens=tokens[:25]), Entry(1, 20, tokens=tokens[20:21])])
+    assert np.array_equal(batched.logits[0], alone[24])
+    assert np.array_equal(batched.logits[1], alone[20])
+
+
+def test_the_class_is_reported_and_what_the_invariant_class_cannot_hold_is_refused(smollm2_path):
+    with Stage(smollm2_path, (0, 15), n_ctx=64, max_sessions=1, n_threads=THREADS, numerics="stock") as stock:
+        assert stock.info().numerics == "stock"
+    with pytest.raises(MeshnetError) as err:
+        Stage(smollm2_path, n_ctx=64, max_sessions=1, flash_attn=True)
+    assert err.value.code == "invalid_argument" and "stock" in err.value.message
+    with pytest.raises(MeshnetError) as err:
+        Stage(smollm2_path, n_ctx=64, max_sessions=1, numerics="exact")
+    assert err.value.code == "invalid_argument" and "invariant or stock" in err.value.message
+
+
+def test_a_route_that_mixes_numerics_classes_is_refused_naming_both(smollm2_path):
+    with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+        workers = [start_worker(smollm2_path, coordinator.endpoint, (0, 15)),
+                   start_worker(smollm2_path, coordinator.endpoint, (15, 30), "--numerics", "stock")]
+        try:
+            assert wait_until(lambda: len([w for w in coordinator.workers_snapshot() if "layers" in w]) == 2,
+                              timeout=120)
+            with pytest.raises(MeshnetError) as err:
+                coordinator.route()
+            assert err.value.code == "route_incomplete"
+            assert "incompatible class" in err.value.message
+            # the class of whichever registered first is the reference the other is named against
+            assert ("numerics stock vs invariant" in err.value.message
+                    or "numerics invariant vs stock" in err.value.message), err.value.message
+        finally:
+            for w in workers:
+                w.terminate()
+            for w in workers:
+                w.wait(30)
