@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda python model test run check-patches clean distclean
+.PHONY: all engine engine-cuda reference python model test run check-patches clean distclean
 
 all: engine python model
 
@@ -93,6 +93,27 @@ engine-cuda: $(TREE)/.stamp
 	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) $(CUDA_CMAKE_ARGS) > $(CUDA_DIR).log
 	cmake --build $(CUDA_DIR)/cmake --target meshnet_engine -j $(JOBS)
 
+# The reference meshnet's numerics classes are checked against: a small greedy program
+# over the pristine pinned tree (no meshnet patch), built twice: with the tree's default
+# options for the stock class, and without llamafile for the invariant class (its other
+# kernel choices are the program's --no-repack and GGML_CPU_TILED_MM=0; tools/reference).
+REFERENCE := $(BUILD)/reference
+REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt
+
+reference: $(REFERENCE)/stock/meshnet-reference $(REFERENCE)/invariant/meshnet-reference
+
+# the stock build also makes the pin's generator of random-weight models of every
+# architecture (tests/test-llama-archs.cpp), which the tests run on
+$(REFERENCE)/stock/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES)
+	cmake -S tools/reference -B $(REFERENCE)/stock -DCMAKE_BUILD_TYPE=Release -DMESHNET_ARCH_MODELS=ON \
+	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-stock.log
+	cmake --build $(REFERENCE)/stock --target meshnet-reference test-llama-archs -j $(JOBS)
+
+$(REFERENCE)/invariant/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES)
+	cmake -S tools/reference -B $(REFERENCE)/invariant -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
+	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-invariant.log
+	cmake --build $(REFERENCE)/invariant --target meshnet-reference -j $(JOBS)
+
 # the stamp lives in the venv, so a new or deleted venv gets meshnet installed again
 $(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)
 	$(PIP) install --quiet -e '.[test]'
@@ -103,7 +124,7 @@ python: $(VENV)/.meshnet-installed
 model: python
 	$(VENV_PYTHON) -m meshnet.models ensure smollm2
 
-test: all
+test: all reference
 	$(VENV_PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
 	$(VENV_PYTHON) -m pytest -q tests
 

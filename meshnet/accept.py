@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from . import models
+from . import numerics as numerics_classes
+from . import reference as stock_reference
 from .cluster import LocalCluster, start_auto_worker
 from .coordinator import Coordinator
 from .engine import engine_pin
@@ -43,7 +45,8 @@ PROMPTS = [
 STAGE_LOST_BOUND_S = 3.0
 AUTO_CTX, AUTO_SESSIONS = 1024, 4    # what the --layers auto workers keep KV for
 CHECK_NAMES = ("whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup",
-               "kill_worker", "planned_route", "standby_replaces_lost_stage")
+               "kill_worker", "planned_route", "standby_replaces_lost_stage", "stock_llama_cpp_invariant",
+               "stock_llama_cpp_stock")
 
 
 class Checks:
@@ -117,7 +120,8 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", threads: int = 0) -> tuple[dict, Path]:
+def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", threads: int = 0,
+                   numerics: str | None = None) -> tuple[dict, Path]:
     started = datetime.datetime.now(datetime.timezone.utc)
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
@@ -128,15 +132,18 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
 
     # the truth: the whole model in this one process
     reference = {}
-    with LocalPipeline(path, [(0, layout.n_layer)], n_ctx=1024, max_sessions=1, n_threads=threads) as whole:
+    numerics = numerics or numerics_classes.DEFAULT
+    with LocalPipeline(path, [(0, layout.n_layer)], n_ctx=1024, max_sessions=1, n_threads=threads,
+                       numerics=numerics) as whole:
         for prompt in PROMPTS:
             tokens = whole.head.tokenize(prompt)
             reference[prompt] = (tokens, whole.generate(tokens, N_TOKENS, keep_logits=True, stop_at_eog=False))
 
     cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=4,
-                           heartbeat_interval=0.1, heartbeat_liveness=10)
+                           heartbeat_interval=0.1, heartbeat_liveness=10, numerics=numerics)
     commands += [f"meshnet worker --coordinator {cluster.coordinator.endpoint} --model {path} --layers {a}:{b} "
-                 f"--threads {threads} --ctx 1024 --max-sessions 4 --heartbeat-interval 0.1 --heartbeat-liveness 10"
+                 f"--threads {threads} --ctx 1024 --max-sessions 4 --heartbeat-interval 0.1 --heartbeat-liveness 10 "
+                 f"--numerics {numerics}"
                  for a, b in ranges]
     try:
         cluster.start()
@@ -233,7 +240,9 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
     finally:
         cluster.close()
 
-    _planned_route_checks(checks, path, layout, reference, threads, metrics, commands)
+    _planned_route_checks(checks, path, layout, reference, threads, metrics, commands, numerics)
+    for numerics_class in numerics_classes.CHOICES:
+        _stock_reference_check(checks, path, ranges, numerics_class, threads, commands)
 
     run_id = f"{started.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
     manifest = {
@@ -243,6 +252,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "identity": _identity(model, path, sha256),
         "stages": [list(r) for r in ranges],
+        "numerics": numerics,
         "commands": commands,
         "checks": checks.results,
         "metrics": metrics,
@@ -268,7 +278,7 @@ def _smallest_split_budget(cost: ModelCost, settings: Settings) -> int:
 
 
 def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads: int, metrics: dict,
-                          commands: list) -> None:
+                          commands: list, numerics: str) -> None:
     """Three --layers auto workers, each with a budget too small for the whole model: the
     coordinator plans the route over the first two, the third stands by and takes the
     range of a stage that is killed."""
@@ -277,7 +287,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
     mem = _smallest_split_budget(cost, settings)
     whole_need = cost.weight_bytes(0, layout.n_layer)
     planned = [s.layers for s in plan(cost, [Node("a", mem, settings), Node("b", mem, settings)]).stages]
-    beat = ["--heartbeat-interval", "0.1", "--heartbeat-liveness", "10"]
+    beat = ["--heartbeat-interval", "0.1", "--heartbeat-liveness", "10", "--numerics", numerics]
     coordinator = Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10)
     commands.append(f"meshnet worker --coordinator {coordinator.endpoint} --model {path} --layers auto --mem {mem} "
                     f"--threads {threads} --ctx {AUTO_CTX} --max-sessions {AUTO_SESSIONS} {' '.join(beat)}  (x3)")
@@ -343,6 +353,34 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
             except Exception:
                 w.kill()
         coordinator.close()
+
+
+def _stock_reference_check(checks: Checks, path, ranges, numerics_class: str, threads: int, commands: list) -> None:
+    """The class's greedy tokens through 2 worker processes against stock llama.cpp built
+    as the class says (meshnet/reference.py), on reference.PROMPTS."""
+    n_tokens = 32
+
+    def agreement():
+        expected = stock_reference.greedy(path, stock_reference.PROMPTS, n_tokens, numerics_class, threads=threads)
+        with LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1, numerics=numerics_class) as cluster:
+            per_prompt = []
+            for prompt, (ref_prompt, ref_tokens) in zip(stock_reference.PROMPTS, expected):
+                tokens = cluster.coordinator.tokenize(prompt)
+                got = cluster.coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600)
+                per_prompt.append({"prompt": prompt[:40], "prompt_tokens": len(tokens),
+                                   "same_prompt_tokens": tokens == ref_prompt,
+                                   **stock_reference.agreement(ref_tokens, got.tokens)})
+        agreed = sum(p["agrees"] and p["same_prompt_tokens"] for p in per_prompt)
+        return agreed == len(per_prompt), {"reference": stock_reference.describe(numerics_class),
+                                           "agreed": f"{agreed} of {len(per_prompt)}", "tokens": n_tokens,
+                                           "per_prompt": per_prompt}
+
+    commands.append(f"meshnet worker ... --numerics {numerics_class} (x2), against "
+                    f"build/reference/{numerics_class}/meshnet-reference (make reference)")
+    checks.run(f"stock_llama_cpp_{numerics_class}",
+               f"--numerics {numerics_class}, 2 worker processes: greedy tokens equal "
+               f"{'stock llama.cpp' if numerics_class == 'stock' else 'stock llama.cpp built with the class kernels'} "
+               f"on {len(stock_reference.PROMPTS)} prompts x {n_tokens} tokens", agreement)
 
 
 def _refused_alone(cost: ModelCost, mem: int, settings: Settings) -> dict:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from . import models
+from . import numerics as numerics_classes
 from .cluster import LocalCluster
 from .gguf_layout import read_layout
 from .metrics import rss_bytes
@@ -82,11 +84,15 @@ def summary(values: list[float]) -> dict | None:
 
 
 def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int, configs=CONFIGS,
-              sessions: int = 1) -> dict:
+              sessions: int = 1, numerics: Sequence[str] = (numerics_classes.DEFAULT,)) -> dict:
+    """NUMERICS: the classes to measure; every configuration runs in the first, and each
+    other class (baseline: the kernels before the classes) adds a worker configuration
+    of its own, "workers-<class>", measured side by side with the rest."""
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = layout.balanced_ranges(n_stages)
-    options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads)
+    first_class, other_classes = numerics[0], list(numerics[1:])
+    options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads, numerics=first_class)
     runners, concurrent, closers, samples = {}, {}, [], {}
 
     def in_process(label, pipe):
@@ -106,11 +112,13 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             in_process("stages", staged)
             samples["stages"] = Samples(f"{n_stages} stages, 1 process")
         clusters = {}
-        for label, secure, what in (("workers", True, "worker processes"), ("plain", False, "workers, no keys")):
-            if label not in configs:
-                continue
+        worker_configs = [(label, secure, what, first_class) for label, secure, what in (
+            ("workers", True, "worker processes"), ("plain", False, "workers, no keys")) if label in configs]
+        worker_configs += [(f"workers-{c}", True, f"workers, {c}", c) for c in other_classes]
+        for label, secure, what, numerics_class in worker_configs:
             cluster = clusters[label] = LocalCluster(path, ranges, threads=threads, n_ctx=1024,
-                                                     max_sessions=max(sessions, 1), secure=secure).start()
+                                                     max_sessions=max(sessions, 1), secure=secure,
+                                                     numerics=numerics_class).start()
             closers.append(cluster.close)
             runners[label] = lambda tokens, c=cluster.coordinator: c.generate(tokens, n_decode + 1,
                                                                               stop_at_eog=False).result().metrics
@@ -144,7 +152,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
 
     report = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
               "prompts": len(PROMPTS), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
-              "n_embd": layout.n_embd, "configs": {}}
+              "n_embd": layout.n_embd, "numerics": list(numerics), "configs": {}}
     base = samples.get("whole")
     for label, s in samples.items():
         entry = {"label": s.label, "rss_bytes": s.rss_bytes}
@@ -165,6 +173,12 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         if "workers" in samples and "plain" in samples and getattr(samples["plain"], key):
             report[f"keys_over_plain_{key}"] = (statistics.median(getattr(samples["workers"], key))
                                                 / statistics.median(getattr(samples["plain"], key)))
+    # each class against each other, worker processes both (first_class's are "workers")
+    by_class = {c: samples.get("workers" if c == first_class else f"workers-{c}") for c in numerics}
+    report["numerics_ratios"] = {
+        f"{a}/{b}": {key: statistics.median(getattr(by_class[a], key)) / statistics.median(getattr(by_class[b], key))
+                     for key in ("prefill_tok_s", "decode_tok_s")}
+        for a in numerics for b in numerics if a != b and by_class[a] and by_class[b]}
     return report
 
 
@@ -201,6 +215,11 @@ def format_report(report: dict) -> str:
         if f"keys_over_plain_{key}" in report:
             lines.append(f"workers with CURVE keys (the default) / without, {what}: "
                          f"{report[f'keys_over_plain_{key}']:.3f}")
+    for pair, ratio in report.get("numerics_ratios", {}).items():
+        a, b = pair.split("/")
+        if b == numerics_classes.BASELINE or (numerics_classes.BASELINE not in report["numerics"] and a < b):
+            lines.append(f"workers, numerics {a} / {b}: prefill {ratio['prefill_tok_s']:.3f}, "
+                         f"decode {ratio['decode_tok_s']:.3f}")
     workers = report["configs"].get("workers")
     if workers and workers["decode_seam_bytes_per_token"]:
         lines.append(f"decode: {workers['decode_seam_bytes_per_token']['median']:.0f} B per token per seam "

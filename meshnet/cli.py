@@ -645,18 +645,27 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
                    "keys) to run")
 @click.option("--sessions", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="also run N concurrent sessions in each configuration and report their aggregate decode rate")
+@click.option("--numerics", "numerics_list", default="invariant", show_default=True,
+              help="numerics classes, comma-separated: every configuration runs in the first; each other one "
+                   "(invariant, stock, or baseline: the kernels before the classes) adds worker processes of "
+                   "its own, measured side by side")
 @click.option("--json", "as_json", is_flag=True)
-def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, as_json):
+def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, as_json):
     """Whole model vs N stages in one process vs N worker processes, side by side."""
     from .bench import CONFIGS, format_report, run_bench
+    from .numerics import CHOICES, CLASSES
 
     chosen = tuple(c for c in configs.split(",") if c)
     if not chosen or set(chosen) - set(CONFIGS):
         raise click.BadParameter(f"choose from {', '.join(CONFIGS)}", param_hint="--configs")
+    classes = tuple(dict.fromkeys(c for c in numerics_list.split(",") if c))
+    if not classes or set(classes) - set(CLASSES) or classes[0] not in CHOICES:
+        raise click.BadParameter(f"choose from {', '.join(CLASSES)} (baseline not first: the in-process "
+                                 "configurations run the first)", param_hint="--numerics")
     reports = []
     try:
         for name in model_names.split(","):
-            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions)
+            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes)
             reports.append(report)
             if not as_json:
                 click.echo(format_report(report))
@@ -670,12 +679,14 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, as
 @click.option("--model", default=models.DEFAULT_MODEL, show_default=True, help="model name or GGUF path")
 @click.option("--out", "out_dir", default="evidence", show_default=True, help="where the run's directory is written")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
-def accept(model, out_dir, threads):
-    """Run the local two-process acceptance and write evidence/<run-id>/ (manifest + README)."""
+@_numerics_option
+def accept(model, out_dir, threads, numerics):
+    """Run the local two-process acceptance and write evidence/<run-id>/ (manifest + README).
+    Each numerics class is also held to stock llama.cpp built as it says (make reference)."""
     from .accept import run_acceptance
 
     try:
-        manifest, run_dir = run_acceptance(model, out_dir, threads)
+        manifest, run_dir = run_acceptance(model, out_dir, threads, numerics)
     except MeshnetError as e:
         _fail(e)
     for check in manifest["checks"]:

@@ -64,7 +64,8 @@ def test_the_cpu_engine_refuses_a_gpu_stage_in_its_own_words(smollm2_path):
     lib = engine._ffi.dlopen(str(engine.DEFAULT_LIBRARY))
     path = engine._ffi.new("char[]", smollm2_path.encode())
     params = engine._ffi.new("meshnet_stage_params *", {"model_path": path, "layer_start": 0, "layer_end": 10,
-                                                        "n_ctx": 64, "max_sessions": 1, "n_batch": 8, "gpu": 1})
+                                                        "n_ctx": 64, "max_sessions": 1, "n_batch": 8, "gpu": 1,
+                                                        "numerics": 1})   # a GPU stage runs stock
     out, err = engine._ffi.new("meshnet_stage **"), engine._ffi.new("char[]", 512)
     status = lib.meshnet_stage_open(params, out, err, len(err))
     assert engine.STATUS_CODES[status] == errors.NO_GPU and out[0] == engine._ffi.NULL

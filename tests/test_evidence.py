@@ -39,10 +39,13 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
     assert manifest["passed"]
     checks = {c["name"]: c for c in manifest["checks"]}
     # the schema allows entries from its list: each check must be there, once
-    assert len(manifest["checks"]) == 8 and set(checks) == {
+    assert len(manifest["checks"]) == 10 and set(checks) == {
         "whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup", "kill_worker",
-        "planned_route", "standby_replaces_lost_stage"}
+        "planned_route", "standby_replaces_lost_stage", "stock_llama_cpp_invariant", "stock_llama_cpp_stock"}
     assert all(c["status"] == "passed" for c in checks.values())
+    assert manifest["numerics"] == "invariant"
+    for name in ("stock_llama_cpp_invariant", "stock_llama_cpp_stock"):
+        assert checks[name]["agreed"] == "8 of 8" and len(checks[name]["per_prompt"]) == 8
     assert checks["whole_model_parity"]["tokens_equal"] and len(checks["whole_model_parity"]["tokens"]) == 32
     assert checks["whole_model_parity"]["max_abs_logit_diff"] == 0.0
     assert checks["kill_worker"]["error"]["code"] == "stage_lost"
@@ -114,3 +117,21 @@ def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
     # the prompt, then 3 decode steps: f32 rows and a header of at most 128 bytes each
     assert 0 < tail["seam_bytes"] - (len(prompt) + 3) * 576 * 4 <= 4 * 128
     assert tail["model_bytes"] > 0 and tail["forwards"] == 4 and tail["rss_bytes"] > tail["model_bytes"]
+
+
+def test_bench_measures_each_numerics_class_side_by_side_against_the_engine_before_them():
+    result = meshnet("bench", "--configs", "workers", "--numerics", "invariant,stock,baseline", "--repeats", "1",
+                     "--decode", "8", "--threads", str(THREADS), "--json")
+    assert result.returncode == 0, result.stderr
+    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report["configs"]) == {"workers", "workers-stock", "workers-baseline"}
+    assert report["numerics"] == ["invariant", "stock", "baseline"]
+    for pair in ("invariant/baseline", "stock/baseline", "invariant/stock"):
+        assert report["numerics_ratios"][pair]["decode_tok_s"] > 0
+        assert report["numerics_ratios"][pair]["prefill_tok_s"] > 0
+    printed = meshnet("bench", "--configs", "workers", "--numerics", "stock,baseline", "--repeats", "1", "--decode", "4",
+                      "--threads", str(THREADS))
+    assert printed.returncode == 0, printed.stderr
+    assert "workers, numerics stock / baseline: prefill" in printed.stdout
+    refused = meshnet("bench", "--numerics", "baseline,stock")
+    assert refused.returncode == 2 and "baseline not first" in refused.stderr

@@ -127,3 +127,31 @@ def test_a_route_that_mixes_numerics_classes_is_refused_naming_both(smollm2_path
                 w.terminate()
             for w in workers:
                 w.wait(30)
+
+
+@pytest.mark.parametrize("numerics", ["stock", "invariant"])
+@pytest.mark.parametrize("model", ["smollm2", "qwen"])
+def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_says(model, numerics, smollm2_path,
+                                                                                  qwen_path):
+    # stock: the pin's default build; invariant: the pin without llamafile, repacking and
+    # the tiled matmul (meshnet/reference.py). 8 prompts x 32 greedy tokens through 2 workers.
+    from meshnet import reference
+    from meshnet.cluster import LocalCluster
+
+    path = smollm2_path if model == "smollm2" else qwen_path
+    n_tokens = 32
+    expected = reference.greedy(path, reference.PROMPTS, n_tokens, numerics, threads=THREADS)
+    ranges = read_layout(path).balanced_ranges(2)
+    with LocalCluster(path, ranges, threads=THREADS, n_ctx=512, max_sessions=1, numerics=numerics) as cluster:
+        coordinator = cluster.coordinator
+        assert {w["numerics"] for w in coordinator.workers_snapshot()} == {numerics}
+        parted = []
+        for prompt, (ref_prompt, ref_tokens) in zip(reference.PROMPTS, expected):
+            tokens = coordinator.tokenize(prompt)
+            assert tokens == ref_prompt
+            got = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600).tokens
+            check = reference.agreement(ref_tokens, got)
+            if not check["agrees"]:
+                parted.append((prompt[:30], check["first_divergence"]))
+    assert max(len(t) for t, _ in expected) > 64   # a prompt longer than the coordinator's usual chunk
+    assert not parted, f"{len(parted)} of {len(expected)} prompts part from stock llama.cpp: {parted}"
