@@ -31,6 +31,27 @@ def qwen_path():
     return str(models.ensure("qwen2.5-coder-1.5b"))
 
 
+SPLITTABLE_ARCHS = ("llama", "qwen2", "qwen3")   # the architectures the engine splits
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory) -> dict:
+    """A random-weight model of each architecture that splits (2 layers, F32 weights, a
+    128-token vocabulary), written by the pin's own tests/test-llama-archs.cpp, which
+    `make reference` builds: {arch: path}."""
+    from pathlib import Path
+
+    generator = Path(__file__).resolve().parent.parent / "build" / "reference" / "stock" / "test-llama-archs"
+    assert generator.is_file(), f"{generator} is not built: run `make reference` (make test does)"
+    out = tmp_path_factory.mktemp("arch-models")
+    pattern = "^(" + "|".join(SPLITTABLE_ARCHS) + ")$"
+    done = subprocess.run([str(generator), "-a", pattern, "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    paths = {arch: out / f"{arch}-dense.gguf" for arch in SPLITTABLE_ARCHS}
+    assert all(p.is_file() for p in paths.values()), sorted(p.name for p in out.iterdir())
+    return {arch: str(p) for arch, p in paths.items()}
+
+
 def meshnet(*args, timeout=300):
     """`meshnet ARGS...` in a process of its own, its output captured (bounded: see run_bounded)."""
     return run_bounded([sys.executable, "-m", "meshnet.cli", *args], timeout=timeout)
