@@ -139,6 +139,7 @@ class Session:
     suspect: tuple[MeshnetError, float] | None = None  # a stage could not pass it on: the error, unless a loss explains it by then
     mixed: bool = False                 # stages of more than one class (allow_mixed): drift is measured
     sampling: Sampling | None = None
+    numerics: str | None = None         # its route's numerics class: a resume keeps to it
     lost: tuple[MeshnetError, float] | None = None   # a stage lost, the session waiting for a route: the error, since
     resume_by: float = 0.0              # ... and until when it may wait
     resumes: list[dict] = field(default_factory=list)   # each resume: stage, replayed_tokens, elapsed_ms
@@ -204,7 +205,8 @@ class SessionHandle:
                 self._done = True
                 self.stop_reason, self.metrics, self.token_times = value
                 if self.metrics.get("mixed_route"):
-                    self.metrics["drift"] = self.coordinator.drift(self.prompt_tokens, self.tokens, self.logits)
+                    self.metrics["drift"] = self.coordinator.drift(self.prompt_tokens, self.tokens, self.logits,
+                                                                   self.metrics.get("numerics"))
             else:
                 self._done = True
                 raise value
@@ -366,15 +368,12 @@ class Coordinator:
         """The current route, or MeshnetError(route_incomplete) saying why there is none."""
         return self._submit(lambda f: f.set_result(self._route_offers())).result(5)
 
-    def drift(self, prompt_tokens: list[int], tokens: list[int], logits: list) -> dict:
-        """A mixed route's run against the whole model (the reference model given), per step."""
+    def drift(self, prompt_tokens: list[int], tokens: list[int], logits: list, numerics_class: str | None) -> dict:
+        """A mixed route's run against the whole model (the reference model given), per
+        step; the whole model computes in the numerics class the session ran in."""
         if self.drift_meter is None:
             return {"measured": False, "why": "no whole model to compare with: give the coordinator a reference "
                                                "model (meshnet coordinator --reference MODEL)"}
-        try:   # the whole model computes in the route's class
-            numerics_class = self.route()[0].compat_class.numerics
-        except MeshnetError:
-            numerics_class = None
         return dict(self.drift_meter.measure(prompt_tokens, tokens, logits, numerics=numerics_class), measured=True)
 
     def route_report(self) -> dict:
@@ -873,11 +872,12 @@ class Coordinator:
 
     # ---- sessions ---------------------------------------------------------------------
 
-    def _choose_route(self):
+    def _choose_route(self, numerics_class: str | None = None):
         """The tracker's choice among the registered ranges; without one, the refusal also
         names the --layers auto workers and what their plan waits for."""
         try:
-            return choose_route([w.offer for w in self.workers.values() if w.offer is not None],
+            return choose_route([w.offer for w in self.workers.values() if w.offer is not None
+                                 and numerics_class in (None, w.offer.compat_class.numerics)],
                                 allow_mixed=self.allow_mixed)
         except MeshnetError as e:
             waiting = [w for w in self.workers.values() if w.offer is None]
@@ -887,9 +887,11 @@ class Coordinator:
                                + ", ".join(f"{w.name} {w.standby_state}" for w in waiting)
                                + (f"; {self.plan_note}" if self.plan_note else "")) from None
 
-    def _route(self) -> list[WorkerRecord]:
+    def _route(self, numerics_class: str | None = None) -> list[WorkerRecord]:
+        """The route; with NUMERICS_CLASS, one of that class only (a session that resumes
+        keeps the kernels it ran with: on the other class its tokens would be neither's)."""
         by_name = {w.name: w for w in self.workers.values()}
-        return [by_name[o.worker] for o in self._choose_route().stages]
+        return [by_name[o.worker] for o in self._choose_route(numerics_class).stages]
 
     # ---- planning for --layers auto workers -------------------------------------------
 
@@ -955,10 +957,12 @@ class Coordinator:
                                               f"tokens exceed the route's context of {n_ctx}", session=sid)))
             return
         n_batch = min(w.capability["n_batch"] for w in route)
-        # the stock class feeds a prompt as stock llama.cpp does, in batches of n_batch: its
-        # kernels change with the rows in a call, so other chunks would give other tokens
-        gen.chunk = n_batch if route[0].capability["numerics"] == numerics.STOCK else min(gen.chunk, n_batch)
-        session = Session(sid, 0, [], gen, want_logits, events, 0.0, sampling=sampling)
+        numerics_class = route[0].capability["numerics"]   # one class per route (the tracker's rule)
+        # the stock class feeds a prompt as stock llama.cpp does, in batches of n_batch
+        # (whatever prefill chunk was asked): its kernels change with the rows in a call,
+        # so other chunks would give other tokens
+        gen.chunk = n_batch if numerics_class == numerics.STOCK else min(gen.chunk, n_batch)
+        session = Session(sid, 0, [], gen, want_logits, events, 0.0, sampling=sampling, numerics=numerics_class)
         self.sessions[sid] = session
         self._open_route(session, route)
 
@@ -1013,7 +1017,7 @@ class Coordinator:
             return
         error, lost_at = session.lost
         try:
-            route = self._route()
+            route = self._route(session.numerics)
             n_ctx = min(w.capability["n_ctx"] for w in route)
             if session.gen.n_prompt + session.gen.rule.max_tokens > n_ctx:
                 raise MeshnetError(E.CONTEXT_FULL, f"the new route's context of {n_ctx} is too small for it")
@@ -1163,6 +1167,7 @@ class Coordinator:
             "seam_crossings": session.crossings,
             "decode_seam_bytes_per_token": session.decode_seam_bytes / per_seam_step if per_seam_step else None,
             "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
+            "numerics": session.numerics,
             **({"mixed_route": True, "route_classes": [str(compat_class_of(w.capability)) for w in session.route]}
                if session.mixed else {}),
             **({"resumed": [{k: v for k, v in r.items() if k != "lost_at"} for r in session.resumes]}

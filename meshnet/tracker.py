@@ -122,9 +122,10 @@ def choose_route(offers: Iterable[StageOffer], model_sha256: str | None = None, 
         raise MeshnetError(ROUTE_INCOMPLETE, "no worker has registered" + (f" for model {model_sha256[:12]}" if model_sha256 else ""))
 
     # the pools a route may be drawn from: one per class, or with allow_mixed one per
-    # model shape (a model of another shape cannot continue the residual)
+    # model shape (a model of another shape cannot continue the residual) and numerics
+    # class (a route of both would give neither class's output)
     def pool_of(o: StageOffer):
-        return (o.n_layer, o.n_embd) if allow_mixed else o.compat_class
+        return (o.n_layer, o.n_embd, o.compat_class.numerics) if allow_mixed else o.compat_class
 
     pools: dict[object, list[StageOffer]] = {}
     for o in offers:

@@ -142,6 +142,7 @@ UNUSABLE = {
     "engine_pin": [None, 1, True, [], ["llama.cpp"], {}, "", "x" * 300],
     "backend": [None, 1, True, ["CPU"], {}, ""],
     "wire_dtype": [None, 32, True, ["f32"], {}, "f16", "F32"],
+    "numerics": [None, 0, True, ["invariant"], {}, "", "exact", "Invariant"],
     "n_ctx": [None, "1024", 1024.5, True, -1, 0, [1024], NAN],
     "n_batch": [None, "512", 512.5, True, -1, 0, [512]],
     "data_endpoint": [None, 1, True, "", "nowhere", "tcp:/127.0.0.1:1", "x://" + "y" * 300, ["tcp://127.0.0.1:9"]],
@@ -319,6 +320,7 @@ def usable(capability: dict) -> bool:
             and all(count(capability.get(k)) for k in ("n_embd", "n_ctx", "n_batch", "max_sessions", "n_vocab"))
             and all(text(capability.get(k)) for k in ("engine_pin", "backend", "worker_id", "clock_id", "arch"))
             and capability.get("wire_dtype") == "f32"
+            and capability.get("numerics") in ("invariant", "stock", "baseline")
             and isinstance(admitted, int) and not isinstance(admitted, bool) and 0 <= admitted < 1 << 64
             and text(endpoint) and "://" in endpoint)
 

@@ -175,3 +175,42 @@ def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_sa
                 parted.append((prompt[:30], check["first_divergence"]))
     assert max(len(t) for t, _ in expected) > 64   # a prompt longer than the coordinator's usual chunk
     assert not parted, f"{len(parted)} of {len(expected)} prompts part from stock llama.cpp: {parted}"
+
+
+def test_a_session_that_loses_a_stage_never_resumes_on_a_route_of_the_other_class(smollm2_path):
+    from meshnet import errors as E
+
+    with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+        invariant = [start_worker(smollm2_path, coordinator.endpoint, r) for r in ((0, 15), (15, 30))]
+        workers = list(invariant)
+        try:
+            assert wait_until(lambda: _route_workers(coordinator) == 2, timeout=120)
+            workers += [start_worker(smollm2_path, coordinator.endpoint, r, "--numerics", "stock")
+                        for r in ((0, 15), (15, 30))]
+            assert wait_until(lambda: len([w for w in coordinator.workers_snapshot() if "layers" in w]) == 4,
+                              timeout=120)
+            tokens = coordinator.tokenize(PROMPT)
+            session = coordinator.generate(tokens, 200, stop_at_eog=False)
+            for i, _ in enumerate(session):
+                if i == 3:
+                    break
+            invariant[1].kill()
+            with pytest.raises(MeshnetError) as err:
+                session.result(120)
+            # a complete stock route stood ready: the session ended rather than change its kernels
+            assert err.value.code == E.STAGE_LOST
+            after = coordinator.generate(tokens, 4, stop_at_eog=False).result(120)
+            assert after.metrics["numerics"] == "stock" and "resumed" not in after.metrics
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.terminate()
+            for w in workers:
+                w.wait(30)
+
+
+def _route_workers(coordinator) -> int:
+    try:
+        return len(coordinator.route())
+    except MeshnetError:
+        return 0

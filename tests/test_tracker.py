@@ -149,6 +149,16 @@ def test_allow_mixed_lets_other_classes_of_the_same_shape_in_and_says_the_route_
                                                       allow_mixed=True)
 
 
+def test_allow_mixed_still_never_mixes_the_numerics_classes():
+    gpu_stock = ("llama.cpp@0c1e57098", "CUDA", "f32", "stock")
+    message = refusal([offer("h", 0, 15), offer("t-gpu", 15, 30, compat=gpu_stock)], allow_mixed=True)
+    assert "t-gpu [15,30) (incompatible class" in message and "numerics stock vs invariant" in message
+    cpu_stock = ("llama.cpp@0c1e57098", "CPU", "f32", "stock")
+    route = choose_route([offer("h", 0, 15, compat=cpu_stock), offer("t-gpu", 15, 30, compat=gpu_stock)],
+                         allow_mixed=True)
+    assert [o.worker for o in route.stages] == ["h", "t-gpu"] and route.mixed
+
+
 def test_model_filter_with_no_worker_for_that_model_says_so():
     message = refusal([offer("w1", 0, 30, sha=SHA_A)], model_sha256=SHA_B)
     assert "no worker has registered" in message and SHA_B[:12] in message
