@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda reference python model test run check-patches clean distclean
+.PHONY: all engine engine-cuda reference test-models python model test run check-patches clean distclean
 
 all: engine python model
 
@@ -103,11 +103,31 @@ REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt
 reference: $(REFERENCE)/stock/meshnet-reference $(REFERENCE)/invariant/meshnet-reference
 
 # the stock build also makes the pin's generator of random-weight models of every
-# architecture (tests/test-llama-archs.cpp), which the tests run on
-$(REFERENCE)/stock/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES)
+# architecture (tests/test-llama-archs.cpp, with more layers: tools/test-models), which the
+# tests run on
+TEST_MODELS_DIR   := $(BUILD)/test-models
+ARCHS_GENERATOR_SOURCE := $(TEST_MODELS_DIR)/test-llama-archs.cpp
+
+$(ARCHS_GENERATOR_SOURCE): $(PRISTINE)/.stamp tools/test-models/more-layers.patch
+	mkdir -p $(TEST_MODELS_DIR)
+	patch --quiet --fuzz=0 -o $@ $(PRISTINE)/tests/test-llama-archs.cpp < tools/test-models/more-layers.patch
+
+$(REFERENCE)/stock/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES) $(ARCHS_GENERATOR_SOURCE)
 	cmake -S tools/reference -B $(REFERENCE)/stock -DCMAKE_BUILD_TYPE=Release -DMESHNET_ARCH_MODELS=ON \
+	    -DMESHNET_ARCH_MODELS_SOURCE=$(abspath $(ARCHS_GENERATOR_SOURCE)) \
 	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-stock.log
 	cmake --build $(REFERENCE)/stock --target meshnet-reference test-llama-archs -j $(JOBS)
+	touch $@
+
+# a random-weight model of every architecture the generator knows, seeded, in seconds:
+# the default tests' models (no download)
+TEST_MODELS_SEED := 42
+test-models: $(TEST_MODELS_DIR)/models/.stamp
+
+$(TEST_MODELS_DIR)/models/.stamp: $(REFERENCE)/stock/meshnet-reference
+	rm -rf $(TEST_MODELS_DIR)/models && mkdir -p $(TEST_MODELS_DIR)/models
+	$(REFERENCE)/stock/test-llama-archs -s $(TEST_MODELS_SEED) -o $(TEST_MODELS_DIR)/models > $(TEST_MODELS_DIR)/models.log 2>&1
+	touch $@
 
 $(REFERENCE)/invariant/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES)
 	cmake -S tools/reference -B $(REFERENCE)/invariant -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
@@ -124,7 +144,7 @@ python: $(VENV)/.meshnet-installed
 model: python
 	$(VENV_PYTHON) -m meshnet.models ensure smollm2
 
-test: all reference
+test: all reference test-models
 	$(VENV_PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
 	$(VENV_PYTHON) -m pytest -q tests
 
