@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 4
+#define MESHNET_ENGINE_ABI_VERSION 5
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -53,6 +53,14 @@ typedef enum {
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
+
+/* What a stage may do with an architecture: engine_c/architectures.tsv, built in. */
+typedef enum {
+    MESHNET_ARCH_UNKNOWN  = -1, /* not an architecture of the pinned llama.cpp */
+    MESHNET_ARCH_SPLITS   = 0,  /* any layer range: a split gives the whole model's logits bit for bit */
+    MESHNET_ARCH_WHOLE    = 1,  /* the whole range only; the reason says why */
+    MESHNET_ARCH_NOT_TEXT = 2   /* not a text-generation model; the reason says what it is */
+} meshnet_arch_support;
 
 /* Which kernels a stage computes with: part of a route's compatibility class, since the
  * two classes round differently and a route mixing them would give neither's output. */
@@ -155,6 +163,9 @@ typedef struct {
 MESHNET_API int32_t      meshnet_engine_abi_version(void);
 /* "llama.cpp@<commit> sdist=<sha256> patches=<sha256>" */
 MESHNET_API const char * meshnet_engine_pin(void);
+/* The support table's line for a GGUF general.architecture name; *reason (may be NULL)
+ * is set to a static string, empty for an architecture that splits. */
+MESHNET_API meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** reason);
 
 /* On failure *out is NULL and err (err_cap bytes, may be NULL) holds the reason. */
 MESHNET_API meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out,

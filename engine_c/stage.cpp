@@ -84,8 +84,24 @@ std::string trimmed(std::string s) {
     return s;
 }
 
-bool arch_can_split(const std::string & arch) {
-    return arch == "llama" || arch == "qwen2" || arch == "qwen3";
+struct arch_line {
+    const char *         name;
+    meshnet_arch_support status;
+    const char *         reason;
+};
+
+// engine_c/architectures.tsv, written out by CMake
+const arch_line ARCH_TABLE[] = {
+#include "architectures.inc"
+};
+
+const arch_line * arch_line_of(const std::string & arch) {
+    for (const arch_line & line : ARCH_TABLE) {
+        if (arch == line.name) {
+            return &line;
+        }
+    }
+    return nullptr;
 }
 
 struct session_slot {
@@ -163,6 +179,7 @@ struct meshnet_stage {
     std::vector<llama_token_data> candidates; // the sampler's working array, n_vocab long
     std::atomic<bool>         abort_requested{false};
     std::string               last_error;
+    bool                      mrope = false;  // positions in M-RoPE sections (Qwen2-VL and after)
 
     meshnet_status fail(meshnet_status status, std::string message) {
         last_error = std::move(message);
@@ -239,8 +256,12 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     }
     // the whole range runs the stock graph, so any architecture llama.cpp knows works
     const bool ranged = !(il_start == 0 && il_end == summary.n_layer);
-    if (ranged && !arch_can_split(summary.arch)) {
-        err = format("architecture '%s' cannot be split yet (splitting supports llama, qwen2, qwen3); "
+    const arch_line * support = arch_line_of(summary.arch);
+    if (ranged && (!support || support->status != MESHNET_ARCH_SPLITS)) {
+        err = support
+            ? format("architecture '%s' cannot be split: %s; run it whole with the range [0, %d)",
+                     summary.arch.c_str(), support->reason, summary.n_layer)
+            : format("architecture '%s' is not one the pinned llama.cpp knows, so it cannot be split; "
                      "run it whole with the range [0, %d)", summary.arch.c_str(), summary.n_layer);
         return MESHNET_ERR_UNSUPPORTED_ARCH;
     }
@@ -278,6 +299,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_MODEL_LOAD;
     }
     stage->vocab = llama_model_get_vocab(stage->model);
+    const llama_rope_type rope = llama_model_rope_type(stage->model);
+    stage->mrope = rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE;
 
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
@@ -546,8 +569,11 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                     roll_back();
                     return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
                 }
-                const llama_pos pos = e.pos + t;
-                llama_batch_ext_set_pos(stage->batch, idx, &pos);
+                // a residual row carries one position per M-RoPE section, which llama.cpp
+                // fills in itself for a token row: the text position three times, then 0
+                const llama_pos p = e.pos + t;
+                const llama_pos pos[4] = { p, stage->mrope ? p : 0, stage->mrope ? p : 0, 0 };
+                llama_batch_ext_set_pos(stage->batch, idx, pos);
                 if (t == 0) {
                     first_row[i] = idx;
                 }
@@ -645,6 +671,14 @@ int32_t meshnet_engine_abi_version(void) {
 
 const char * meshnet_engine_pin(void) {
     return "llama.cpp@" MESHNET_LLAMA_COMMIT " sdist=" MESHNET_SDIST_SHA256 " patches=" MESHNET_PATCHES_SHA256;
+}
+
+meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** reason) {
+    const arch_line * line = arch ? arch_line_of(arch) : nullptr;
+    if (reason) {
+        *reason = line ? line->reason : "not an architecture of the pinned llama.cpp";
+    }
+    return line ? line->status : MESHNET_ARCH_UNKNOWN;
 }
 
 meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out, char * err, size_t err_cap) {

@@ -799,7 +799,14 @@ def inspect(model, as_json):
         layout = read_layout(path)
     except MeshnetError as e:
         _fail(e)
-    info = dict(vars(layout), sha256=sha256)
+    from .engine import arch_support
+
+    try:
+        split_status, split_reason = arch_support(layout.arch)
+    except MeshnetError as e:   # no engine built: the file's own facts are still worth showing
+        split_status, split_reason = "unknown", e.message
+    info = dict(vars(layout), sha256=sha256, splits=split_status == "splits", split_support=split_status,
+                split_reason=split_reason)
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -807,6 +814,9 @@ def inspect(model, as_json):
     click.echo(f"file        {layout.path}")
     click.echo(f"sha256      {sha256}")
     click.echo(f"arch        {layout.arch}")
+    split_line = ("yes: any layer range gives the whole model's logits" if split_status == "splits"
+                  else f"{split_status}: {split_reason}")
+    click.echo(f"split       {split_line}")
     click.echo(f"layers      {layout.n_layer}")
     click.echo(f"n_embd      {layout.n_embd}")
     click.echo(f"vocab       {layout.n_vocab}")

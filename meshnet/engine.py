@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -107,6 +107,17 @@ def library(gpu: bool = False):
 
 def engine_pin(gpu: bool = False) -> str:
     return _ffi.string(library(gpu).meshnet_engine_pin()).decode()
+
+
+ARCH_SUPPORT = {0: "splits", 1: "whole", 2: "not-text", -1: "unknown"}
+
+
+def arch_support(arch: str) -> tuple[str, str]:
+    """The engine's support table line for a GGUF architecture name (engine_c/architectures.tsv):
+    ("splits" | "whole" | "not-text" | "unknown", the reason; empty when it splits)."""
+    reason = _ffi.new("const char **")
+    status = library().meshnet_arch_support_of(arch.encode(), reason)
+    return ARCH_SUPPORT[int(status)], _ffi.string(reason[0]).decode()
 
 
 @dataclass(frozen=True)

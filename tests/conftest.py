@@ -31,25 +31,44 @@ def qwen_path():
     return str(models.ensure("qwen2.5-coder-1.5b"))
 
 
-SPLITTABLE_ARCHS = ("llama", "qwen2", "qwen3")   # the architectures the engine splits
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_MODELS = os.path.join(ROOT, "build", "test-models", "models")
+DENSE_ARCHS = ("llama", "qwen2", "qwen3")   # a few generated dense models, for the tests that need one
+
+
+def read_arch_table():
+    """engine_c/architectures.tsv, through tools/arch_table.py (the README's writer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arch_table", os.path.join(ROOT, "tools", "arch_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("arch_table", module)   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def generated_models() -> dict:
+    """Every random-weight model `make test-models` wrote (the pin's tests/test-llama-archs.cpp
+    with 4 layers: F32 weights, a 128-token vocabulary): {file stem, as 'llama-dense': path}."""
+    if not os.path.isdir(TEST_MODELS):
+        return {}
+    return {name[:-len(".gguf")]: os.path.join(TEST_MODELS, name)
+            for name in sorted(os.listdir(TEST_MODELS)) if name.endswith(".gguf")}
+
+
+def model_arch(stem: str) -> str:
+    return re.sub(r"-(dense|moe)$", "", stem)
 
 
 @pytest.fixture(scope="session")
-def arch_models(tmp_path_factory) -> dict:
-    """A random-weight model of each architecture that splits (2 layers, F32 weights, a
-    128-token vocabulary), written by the pin's own tests/test-llama-archs.cpp, which
-    `make reference` builds: {arch: path}."""
-    from pathlib import Path
-
-    generator = Path(__file__).resolve().parent.parent / "build" / "reference" / "stock" / "test-llama-archs"
-    assert generator.is_file(), f"{generator} is not built: run `make reference` (make test does)"
-    out = tmp_path_factory.mktemp("arch-models")
-    pattern = "^(" + "|".join(SPLITTABLE_ARCHS) + ")$"
-    done = subprocess.run([str(generator), "-a", pattern, "-o", str(out)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    paths = {arch: out / f"{arch}-dense.gguf" for arch in SPLITTABLE_ARCHS}
-    assert all(p.is_file() for p in paths.values()), sorted(p.name for p in out.iterdir())
-    return {arch: str(p) for arch, p in paths.items()}
+def arch_models() -> dict:
+    """The generated models, by architecture (the dense one where there are both): {arch: path}."""
+    found = generated_models()
+    assert found, f"no generated models in {TEST_MODELS}: run `make test-models` (make test does)"
+    out = {}
+    for stem, path in found.items():
+        out.setdefault(model_arch(stem), path)
+    return out
 
 
 def meshnet(*args, timeout=300):

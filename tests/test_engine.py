@@ -316,9 +316,12 @@ def test_non_gguf_and_missing_files_are_refused(tmp_path):
     _expect("not_gguf", Stage, tmp_path / "missing.gguf")
 
 
-def test_unsplittable_architecture_with_a_range_names_the_architecture(tmp_path):
-    path = tmp_path / "tiny-gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+@pytest.mark.parametrize("arch, why", [("talkie", "skip from the normed input embedding"),
+                                       ("no-such-arch", "not one the pinned llama.cpp knows")])
+def test_unsplittable_architecture_with_a_range_names_the_architecture_and_why(tmp_path, arch, why):
+    # refused from the header alone, before llama.cpp reads a tensor
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(4)
     writer.add_embedding_length(8)
     writer.write_header_to_file()
@@ -326,7 +329,7 @@ def test_unsplittable_architecture_with_a_range_names_the_architecture(tmp_path)
     writer.write_tensors_to_file()
     writer.close()
     error = _expect("unsupported_arch", Stage, path, (0, 2))
-    assert "gpt2" in error.message and "cannot be split" in error.message
+    assert arch in error.message and "cannot be split" in error.message and why in error.message
 
 
 # a row's result never depends on the rows beside it: on K-quant weights ggml has kernels

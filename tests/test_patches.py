@@ -61,3 +61,12 @@ def test_engine_reports_the_pin_it_was_built_from(smollm2_path):
     assert f"patches={stack}" in pin
     with Stage(smollm2_path, (0, 10), n_ctx=64, max_sessions=1) as stage:
         assert stage.info().engine_pin == pin
+
+
+def test_the_generated_graph_patch_is_what_its_script_writes_from_the_pristine_tree(tmp_path):
+    # 0007 is never edited by hand: tools/stage_graphs.py writes it again, byte for byte
+    out = tmp_path / "0007.patch"
+    done = subprocess.run(["python3", str(ROOT / "tools" / "stage_graphs.py"), str(PRISTINE), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == (ROOT / "engine_c" / "patches" / "0007-stage-graphs.patch").read_bytes()

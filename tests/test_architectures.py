@@ -1,0 +1,74 @@
+"""The support table (engine_c/architectures.tsv) against the engine and the generated
+models: every architecture it lists as splitting gives the whole model's logits bit for
+bit when split, and every other one is refused a range with the table's reason."""
+
+import os
+import re
+
+import pytest
+
+from meshnet import parity
+from meshnet.engine import Stage, arch_support
+from meshnet.errors import MeshnetError
+
+from conftest import ROOT, THREADS, generated_models, model_arch, read_arch_table
+
+ARCH_TABLE = read_arch_table()
+TABLE = ARCH_TABLE.read_table()
+SPLITS = [line.arch for line in TABLE if line.status == "splits"]
+MODELS = generated_models()
+
+
+def pin_architectures() -> list[str]:
+    """Every architecture name of the pinned tree (LLM_ARCH_NAMES in src/llama-arch.cpp)."""
+    source = open(os.path.join(ROOT, "build", "llama.cpp-pristine", "src", "llama-arch.cpp")).read()
+    block = source.split("LLM_ARCH_NAMES = {", 1)[1].split("};", 1)[0]
+    return [name for name in re.findall(r'"([^"]+)"', block) if name != "(unknown)"]
+
+
+def test_the_table_lists_every_architecture_of_the_pin_once():
+    listed = [line.arch for line in TABLE]
+    assert len(listed) == len(set(listed)), sorted(a for a in listed if listed.count(a) > 1)
+    assert sorted(listed) == sorted(pin_architectures())
+
+
+def test_the_engine_s_table_is_the_tsv():
+    for line in TABLE:
+        assert arch_support(line.arch) == (line.status, line.reason), line.arch
+    assert arch_support("no-such-arch")[0] == "unknown"
+
+
+def test_every_generated_model_is_of_an_architecture_the_table_lists():
+    assert MODELS, "no generated models: run `make test-models` (make test does)"
+    listed = {line.arch for line in TABLE}
+    assert {model_arch(stem) for stem in MODELS} <= listed
+
+
+def test_the_readme_s_table_is_the_tsv_s():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert ARCH_TABLE.with_table(readme, ARCH_TABLE.markdown(TABLE)) == readme, \
+        "README.md's table is stale: run tools/arch_table.py --write"
+
+
+@pytest.mark.parametrize("arch", SPLITS)
+def test_an_architecture_that_splits_gives_the_whole_model_s_logits_exactly(arch):
+    # 2 and 3 stages, the prompt in uneven chunks, 16 greedy steps, 2 sessions batched, and
+    # the whole model's own rows token by token: every logit equal (meshnet/parity.py)
+    variants = {stem: path for stem, path in MODELS.items() if model_arch(stem) == arch}
+    assert variants, f"'{arch}' is listed as splitting but has no generated model to hold it to"
+    for stem, path in variants.items():
+        report = parity.check(path, n_threads=THREADS)
+        assert report.arch == arch
+        assert report.n_layer >= 3, f"{stem}: {report.n_layer} layers leave no 3-stage split"
+        assert report.exact, f"{stem}: {report.failures()}"
+
+
+@pytest.mark.parametrize("stem", [stem for stem in MODELS if model_arch(stem) not in SPLITS])
+def test_an_architecture_that_does_not_split_is_refused_a_range_with_the_table_s_reason(stem):
+    path = MODELS[stem]
+    status, reason = arch_support(model_arch(stem))
+    assert status in ("whole", "not-text")
+    with pytest.raises(MeshnetError) as refused:
+        Stage(path, (0, 2), n_ctx=64, max_sessions=1, n_threads=THREADS)
+    assert refused.value.code == "unsupported_arch"
+    assert model_arch(stem) in refused.value.message and reason in refused.value.message
