@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 5
+#define MESHNET_ENGINE_ABI_VERSION 6
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -49,7 +49,8 @@ typedef enum {
     MESHNET_ERR_INTERNAL          = 14,
     MESHNET_ERR_BAD_VALUE         = 15, /* a residual or logit that is not finite, or too large to be real */
     MESHNET_ERR_NO_TEMPLATE       = 16, /* the model has no chat template llama.cpp knows */
-    MESHNET_ERR_NO_GPU            = 17  /* a GPU stage was asked of an engine without one */
+    MESHNET_ERR_NO_GPU            = 17, /* a GPU stage was asked of an engine without one */
+    MESHNET_ERR_CANNOT_ROLL_BACK  = 18  /* a recurrent state cannot be cut back to an earlier position */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
@@ -176,6 +177,11 @@ MESHNET_API meshnet_status meshnet_stage_info_get(meshnet_stage * stage, meshnet
 
 MESHNET_API meshnet_status meshnet_session_open    (meshnet_stage * stage, uint64_t session_id);
 MESHNET_API meshnet_status meshnet_session_release (meshnet_stage * stage, uint64_t session_id);
+/* A model with recurrent state (Mamba, RWKV, the hybrids) keeps no state per position:
+ * it cannot drop the last tokens, and truncate returns MESHNET_ERR_CANNOT_ROLL_BACK,
+ * the session unchanged. A forward pass that fails after such a state moved cannot be
+ * undone either: the session is emptied, and later calls on it are refused with that
+ * code until it is released and fed again from the start. */
 MESHNET_API meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep);
 MESHNET_API meshnet_status meshnet_session_length  (meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens);
 /* The tail samples the session's tokens from now on (NULL: the most likely token again).

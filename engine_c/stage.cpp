@@ -111,6 +111,7 @@ struct session_slot {
     bool                 sampled = false;   // the tail samples this session's tokens
     meshnet_sampling     sampling = {};
     std::vector<int32_t> history;           // with sampling: the session's tokens so far
+    bool                 lost = false;      // a failed pass moved a recurrent state that cannot roll back
 };
 
 // the draw for the token at position pos: splitmix64 of (seed, pos), so that each
@@ -399,6 +400,12 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
     if (e.n_tokens < 1) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("entry %d: n_tokens is %d, needs at least 1", index, e.n_tokens));
     }
+    if (slot->lost) {
+        return stage->fail(MESHNET_ERR_CANNOT_ROLL_BACK,
+                format("entry %d: session %llu lost its state: a pass failed after this model's recurrent state had "
+                       "moved, and it cannot roll back; release the session and feed it again from the start",
+                       index, (unsigned long long) e.session_id));
+    }
     if (e.pos != slot->n_tokens) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 format("entry %d: position %d does not follow session %llu, which holds %d tokens",
@@ -548,7 +555,12 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
     auto roll_back = [&]() {
         llama_memory_t mem = llama_get_memory(stage->ctx);
         for (int32_t i = 0; i < n_entries; ++i) {
-            llama_memory_seq_rm(mem, stage->seq_of(stage->find(entries[i].session_id)), entries[i].pos, -1);
+            session_slot * slot = stage->find(entries[i].session_id);
+            if (!llama_memory_seq_rm(mem, stage->seq_of(slot), entries[i].pos, -1)) {
+                // a recurrent state already moved past pos: what it held before is gone
+                llama_memory_seq_rm(mem, stage->seq_of(slot), -1, -1);
+                slot->lost = true;
+            }
         }
     };
     std::vector<int32_t> sampled(n_entries, -1);   // joins its session's history once every call has succeeded
@@ -817,7 +829,12 @@ meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 format("cannot keep %d tokens of session %llu, which holds %d", n_keep, (unsigned long long) session_id, slot->n_tokens));
     }
-    llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), n_keep, -1);
+    if (n_keep < slot->n_tokens && !llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), n_keep, -1)) {
+        return stage->fail(MESHNET_ERR_CANNOT_ROLL_BACK,
+                format("session %llu cannot keep %d of its %d tokens: this model's recurrent state holds no earlier "
+                       "position; release the session and feed the %d tokens again", (unsigned long long) session_id,
+                       n_keep, slot->n_tokens, n_keep));
+    }
     slot->n_tokens = n_keep;
     if (slot->history.size() > (size_t) n_keep) {
         slot->history.resize(n_keep);   // the tokens after n_keep may be chosen again

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -46,6 +46,7 @@ STATUS_CODES = {
     15: errors.BAD_PAYLOAD,   # a residual or logit that is not finite (or too large to be real)
     16: errors.NO_CHAT_TEMPLATE,
     17: errors.NO_GPU,
+    18: errors.CANNOT_ROLL_BACK,
 }
 
 

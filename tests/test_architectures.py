@@ -72,3 +72,18 @@ def test_an_architecture_that_does_not_split_is_refused_a_range_with_the_table_s
         Stage(path, (0, 2), n_ctx=64, max_sessions=1, n_threads=THREADS)
     assert refused.value.code == "unsupported_arch"
     assert model_arch(stem) in refused.value.message and reason in refused.value.message
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_generated_model_of_the_first_three_architectures_loads_as_every_range(arch, arch_models):
+    # these files carry rope_freqs, biases and per-tensor scales as real GGUFs do; before 0006
+    # a stage could not load them ("done_getting_tensors: wrong number of tensors")
+    path = arch_models[arch]
+    with Stage(path, n_ctx=64, max_sessions=1, n_threads=THREADS) as whole:
+        n_layer = whole.info().n_layer
+    for start in range(n_layer):
+        for end in range(start + 1, n_layer + 1):
+            with Stage(path, (start, end), n_ctx=64, max_sessions=1, n_threads=THREADS) as stage:
+                info = stage.info()
+                assert (info.layer_start, info.layer_end) == (start, end)
+                assert info.is_head == (start == 0) and info.is_tail == (end == n_layer)
