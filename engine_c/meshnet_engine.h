@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 6
+#define MESHNET_ENGINE_ABI_VERSION 7
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -167,6 +167,20 @@ MESHNET_API const char * meshnet_engine_pin(void);
 /* The support table's line for a GGUF general.architecture name; *reason (may be NULL)
  * is set to a static string, empty for an architecture that splits. */
 MESHNET_API meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** reason);
+
+/* What one layer keeps per session beside its weights, as llama.cpp sizes its memory for a
+ * stage of this engine (f16 K and V, no flash attention, f32 recurrent state). */
+typedef struct {
+    int64_t kv_bytes_per_cell;  /* K and V of one token (0: the layer keeps no KV) */
+    int32_t window;             /* 0: its KV spans the context; else a sliding window of this many tokens
+                                 * (its cache holds window + n_ubatch cells, rounded up to 256) */
+    int64_t state_bytes;        /* its recurrent state (0: none) */
+} meshnet_layer_memory;
+
+/* The model's hyperparameters only (no weights are read): each layer's memory, into
+ * layers[0 .. min(capacity, n_layer)); *n_layer is the model's layer count. */
+MESHNET_API meshnet_status meshnet_layer_memory_of(const char * model_path, meshnet_layer_memory * layers,
+                                    int32_t capacity, int32_t * n_layer, char * err, size_t err_cap);
 
 /* On failure *out is NULL and err (err_cap bytes, may be NULL) holds the reason. */
 MESHNET_API meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out,

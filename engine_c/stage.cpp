@@ -8,6 +8,7 @@
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"
+#include "llama-model.h"
 
 #include <algorithm>
 #include <atomic>
@@ -691,6 +692,75 @@ meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** re
         *reason = line ? line->reason : "not an architecture of the pinned llama.cpp";
     }
     return line ? line->status : MESHNET_ARCH_UNKNOWN;
+}
+
+// what llama.cpp's memory (llama_kv_cache, its sliding-window pair, llama_memory_recurrent
+// and the hybrids built from them) allocates for one layer, with this engine's settings
+meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il) {
+    const llama_hparams & hp = model.hparams;
+    const bool hybrid_every_layer = model.arch == LLM_ARCH_FALCON_H1;   // attention and SSM in each layer
+    const bool nemotron = model.arch == LLM_ARCH_NEMOTRON_H || model.arch == LLM_ARCH_NEMOTRON_H_MOE;
+    meshnet_layer_memory out = {};
+    const bool recurrent = hp.is_recr(il) && (!nemotron || hp.n_ff(il) == 0);
+    const bool attention = !llm_arch_is_recurrent(model.arch) && hp.has_kv(il) && hp.n_embd_k_gqa(il) > 0
+                        && (hybrid_every_layer || !hp.is_recr(il)) && (!nemotron || hp.n_ff(il) == 0);
+    // the sparse-attention indexer's keys (one head, f16) beside K and V: DeepSeek-V3.2 on
+    // every layer, GLM-DSA and dots3 on their full-indexer layers, MiniMax-M3 past its dense lead
+    // (what the DSA and MSA caches, llama-kv-cache-dsa.cpp and -msa.cpp, add)
+    bool indexer = false;
+    switch (model.arch) {
+        case LLM_ARCH_DEEPSEEK32: indexer = true; break;
+        case LLM_ARCH_GLM_DSA:
+        case LLM_ARCH_DOTS3NOTE:  indexer = hp.is_indexer_full(il); break;
+        case LLM_ARCH_MINIMAX_M3: indexer = il >= hp.n_layer_dense_lead; break;
+        default: break;
+    }
+    if (attention) {
+        const int64_t v_row = hp.is_mla() ? 0 : hp.n_embd_v_gqa_max();   // V transposed: rows as wide as the widest
+        // (MiniMax-M3's indexer cache is a whole KV cache of one head: its V too)
+        const int64_t indexer_row = !indexer ? 0
+            : (int64_t) hp.indexer_head_size + (model.arch == LLM_ARCH_MINIMAX_M3 ? (int64_t) hp.n_embd_head_v() : 0);
+        out.kv_bytes_per_cell = (int64_t) ggml_type_size(GGML_TYPE_F16) * ((int64_t) hp.n_embd_k_gqa(il) + v_row + indexer_row);
+        if (hp.swa_type != LLAMA_SWA_TYPE_NONE && hp.is_swa(il)) {
+            out.window  = (int32_t) hp.n_swa;
+        }
+    }
+    if (recurrent) {
+        out.state_bytes = (int64_t) sizeof(float) * ((int64_t) hp.n_embd_r() + hp.n_embd_s());
+    }
+    return out;
+}
+
+meshnet_status meshnet_layer_memory_of(const char * model_path, meshnet_layer_memory * layers, int32_t capacity,
+                                       int32_t * n_layer, char * err, size_t err_cap) {
+    if (!model_path || !n_layer || capacity < 0 || (capacity > 0 && !layers)) {
+        write_error(err, err_cap, "meshnet_layer_memory_of needs a model path, an output array and a count");
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    init_llama_once();
+    tl_llama_errors.clear();
+    try {
+        llama_model_params mparams = llama_model_default_params();
+        ggml_backend_dev_t no_devices[1] = {nullptr};
+        mparams.devices    = no_devices;
+        mparams.n_gpu_layers = 0;
+        mparams.no_alloc     = true;   // the hyperparameters and tensor shapes; no weight is read
+        mparams.load_mode    = LLAMA_LOAD_MODE_NONE;   // (the memory-fit pass maps nothing)
+        llama_model * model = llama_model_load_from_file(model_path, mparams);
+        if (!model) {
+            write_error(err, err_cap, format("llama.cpp could not read '%s': %s", model_path, trimmed(tl_llama_errors).c_str()));
+            return MESHNET_ERR_MODEL_LOAD;
+        }
+        *n_layer = (int32_t) model->hparams.n_layer();
+        for (int32_t il = 0; il < std::min(capacity, *n_layer); ++il) {
+            layers[il] = layer_memory(*model, (uint32_t) il);
+        }
+        llama_model_free(model);
+        return MESHNET_OK;
+    } catch (const std::exception & e) {
+        write_error(err, err_cap, format("reading the layers of '%s' failed: %s", model_path, e.what()));
+        return MESHNET_ERR_INTERNAL;
+    }
 }
 
 meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out, char * err, size_t err_cap) {

@@ -301,7 +301,9 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
     """Three --layers auto workers, each with a budget too small for the whole model: the
     coordinator plans the route over the first two, the third stands by and takes the
     range of a stage that is killed."""
-    cost = ModelCost.from_layout(layout)
+    from .engine import layer_memory
+
+    cost = ModelCost.from_layout(layout, layer_memory(path))
     settings = Settings(AUTO_CTX, AUTO_SESSIONS)
     mem = _smallest_split_budget(cost, settings)
     whole_need = cost.weight_bytes(0, layout.n_layer)

@@ -715,7 +715,7 @@ def plan(model, nodes, n_ctx, sessions, overhead, as_json):
     settings = Settings(n_ctx=n_ctx, n_sessions=sessions)
     try:
         path, _ = models.resolve(model)
-        cost = ModelCost.from_layout(read_layout(path))
+        cost = ModelCost.from_layout(read_layout(path), _layer_memory_if_built(path))
         result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes],
                            OVERHEAD if overhead is None else overhead)
     except MeshnetError as e:
@@ -785,6 +785,19 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
                    secure=not insecure, numerics=numerics, echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         _fail(e)
+
+
+def _layer_memory_if_built(path):
+    """Each layer's memory from the engine; None without an engine (then every layer is
+    counted as full-context attention, as a transformer's are)."""
+    from .engine import layer_memory
+
+    try:
+        return layer_memory(path)
+    except MeshnetError as e:
+        if e.code != "engine_missing":
+            raise
+        return None
 
 
 @main.command()

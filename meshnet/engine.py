@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -108,6 +108,30 @@ def library(gpu: bool = False):
 
 def engine_pin(gpu: bool = False) -> str:
     return _ffi.string(library(gpu).meshnet_engine_pin()).decode()
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """What one layer keeps per session beside its weights (meshnet_layer_memory)."""
+    kv_bytes_per_cell: int   # K and V of one token; 0: no KV
+    window: int              # 0: the KV spans the context; else a sliding window
+    state_bytes: int         # recurrent state; 0: none
+
+
+def layer_memory(model_path: str | os.PathLike) -> list[LayerMemory]:
+    """Each layer's memory, as llama.cpp sizes it, from the model's hyperparameters (no
+    weights read): what the planner counts per layer type."""
+    lib = library()
+    err = _ffi.new("char[]", 1024)
+    n_layer = _ffi.new("int32_t *")
+    status = lib.meshnet_layer_memory_of(str(model_path).encode(), _ffi.NULL, 0, n_layer, err, 1024)
+    if status == 0:
+        raw = _ffi.new("meshnet_layer_memory[]", max(n_layer[0], 1))
+        status = lib.meshnet_layer_memory_of(str(model_path).encode(), raw, n_layer[0], n_layer, err, 1024)
+    if status != 0:
+        raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), _ffi.string(err).decode(errors="replace"))
+    return [LayerMemory(int(r.kv_bytes_per_cell), int(r.window), int(r.state_bytes))
+            for r in raw[0:n_layer[0]]]
 
 
 ARCH_SUPPORT = {0: "splits", 1: "whole", 2: "not-text", -1: "unknown"}

@@ -2,7 +2,8 @@
 
 Pure arithmetic on numbers read from the GGUF (gguf_layout): what a stage [a, b) needs
 is its weights (the token embedding on the head, the output norm and matrix on the
-tail), the KV cache of its layers for the context and sessions asked for, the engine's
+tail), the KV cache or recurrent state of its layers for the context and sessions asked
+for (per layer type: engine.layer_memory), the engine's
 compute buffers and a stated per-process overhead. Nodes are filled in route order,
 each stage as large as its budget allows; a model that does not fit is refused with the
 shortfall in bytes. Nothing here opens a file or a socket, so it is tested with plain
@@ -26,6 +27,8 @@ OVERHEAD = 128 << 20
 # the graph's own bookkeeping beside its tensors; with it the estimate of weights + KV +
 # compute is within 2% of what the engine reports (SmolLM2 and Qwen2.5-1.5B, head/tail)
 COMPUTE_SLACK = 4 << 20
+# llama.cpp rounds a sliding-window cache up to a multiple of 256 cells (llama-kv-cache-iswa.cpp)
+SWA_PAD = 256
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -72,19 +75,54 @@ class ModelCost:
     n_ff: int
     n_head: int
     n_vocab: int
+    # per layer, as llama.cpp sizes its memory (engine.layer_memory): K and V of one token
+    # (0 for a recurrent layer), the sliding window (0: the whole context) and the recurrent
+    # state of one session. Empty: every layer keeps kv_bytes_per_cell over the context.
+    layer_kv_bytes: tuple[int, ...] = ()
+    layer_window: tuple[int, ...] = ()
+    layer_state_bytes: tuple[int, ...] = ()
 
     @classmethod
-    def from_layout(cls, layout) -> "ModelCost":
+    def from_layout(cls, layout, memory=None) -> "ModelCost":
+        """From the GGUF's layout and, when the engine is there to read it, each layer's
+        memory (a list of engine.LayerMemory): without it every layer is counted as a
+        full-context attention layer, too much for sliding-window, recurrent and hybrid models."""
+        per_layer = {}
+        if memory is not None and len(memory) == layout.n_layer:
+            per_layer = dict(layer_kv_bytes=tuple(m.kv_bytes_per_cell for m in memory),
+                             layer_window=tuple(m.window for m in memory),
+                             layer_state_bytes=tuple(m.state_bytes for m in memory))
         return cls(layout.n_layer, tuple(layout.layer_bytes), layout.input_bytes, layout.output_bytes,
                    layout.shared_bytes, layout.tied_embeddings, layout.token_embd_bytes, layout.kv_bytes_per_cell,
-                   layout.n_embd, layout.n_ff, layout.n_head, layout.n_vocab)
+                   layout.n_embd, layout.n_ff, layout.n_head, layout.n_vocab, **per_layer)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelCost":
-        return cls(**dict(d, layer_bytes=tuple(d["layer_bytes"])))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     def to_dict(self) -> dict:
-        return dict(asdict(self), layer_bytes=list(self.layer_bytes))
+        # (the per-layer memory only when known: an empty list is not n_layer long)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v != ()}
+
+    def _cells(self, il: int, n_ctx: int, n_ubatch: int) -> int:
+        window = self.layer_window[il]
+        return n_ctx if not window else -(-min(n_ctx, window + n_ubatch) // SWA_PAD) * SWA_PAD
+
+    def attended_cells(self, start: int, end: int, n_ctx: int, n_ubatch: int) -> int:
+        """The most KV cells one attention layer of [start, end) reads (the attention scores
+        of a full batch are sized by it): 0 for a stage of recurrent layers only."""
+        if not self.layer_kv_bytes:
+            return n_ctx
+        return max((self._cells(il, n_ctx, n_ubatch) for il in range(start, end) if self.layer_kv_bytes[il]), default=0)
+
+    def memory_bytes(self, start: int, end: int, n_ctx: int, n_sessions: int, n_ubatch: int) -> int:
+        """KV and recurrent state of layers [start, end) for N_SESSIONS sessions of N_CTX
+        tokens: a sliding-window layer keeps window + n_ubatch cells (rounded up to
+        SWA_PAD, at most the context), a recurrent one a fixed state per session."""
+        if not self.layer_kv_bytes:
+            return (end - start) * self.kv_bytes_per_cell * n_ctx * n_sessions
+        return n_sessions * sum(self.layer_kv_bytes[il] * self._cells(il, n_ctx, n_ubatch) + self.layer_state_bytes[il]
+                                for il in range(start, end))
 
     @functools.cached_property
     def _bytes_before(self) -> tuple[int, ...]:
@@ -141,11 +179,12 @@ def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Setti
                overhead: int = OVERHEAD) -> int:
     """Bytes a stage [start, end) takes: weights, KV for every session's context, the
     engine's compute buffers and the process overhead."""
-    kv = (end - start) * cost.kv_bytes_per_cell * settings.n_ctx * settings.n_sessions
+    kv = cost.memory_bytes(start, end, settings.n_ctx, settings.n_sessions, settings.n_batch)
     # llama.cpp's graph for a full batch: each head's attention scores over one
     # session's context and the FFN's activations dominate; the tail's logits for the
     # batch share that buffer (the allocator reuses it), so the larger of the two counts
-    compute = 4 * settings.n_batch * (cost.n_head * settings.n_ctx + cost.n_ff + 6 * cost.n_embd)
+    compute = 4 * settings.n_batch * (cost.n_head * cost.attended_cells(start, end, settings.n_ctx, settings.n_batch)
+                                      + cost.n_ff + 6 * cost.n_embd)
     if end == cost.n_layer:
         compute = max(compute, 4 * settings.n_batch * cost.n_vocab)
     compute += COMPUTE_SLACK

@@ -28,9 +28,9 @@ from .errors import MeshnetError
 from . import numerics
 from .sampling import Sampling
 
-VERSION = 5   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 6   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
-              # 5: the stage's numerics class in READY
+              # 5: the stage's numerics class in READY; 6: each layer's memory in the cost
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -293,6 +293,10 @@ def _byte_count(v):
     return 0 <= v < 1 << 48
 
 
+def _per_layer_counts(v):
+    return len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)
+
+
 # a worker's model, as the planner counts it (planner.ModelCost)
 COST_FIELDS: dict[str, tuple] = {
     "n_layer": (INT, True, _at_most(MAX_LAYERS)),
@@ -307,6 +311,10 @@ COST_FIELDS: dict[str, tuple] = {
     "n_ff": (INT, True, _nonneg),
     "n_head": (INT, True, _nonneg),
     "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
+    # per layer (planner.ModelCost): absent when the worker could not read them
+    "layer_kv_bytes": (LIST, False, _per_layer_counts),
+    "layer_window": (LIST, False, _per_layer_counts),
+    "layer_state_bytes": (LIST, False, _per_layer_counts),
 }
 
 
@@ -326,7 +334,9 @@ def check_capability(capability: dict, rid: int | None = None) -> dict:
                             "'cost' to be planned for", rid)
     if "cost" in fields:
         fields["cost"] = _checked_fields(COST_FIELDS, fields["cost"], f"{where}: cost", rid, None)
-        if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"]:
+        per_layer = [fields["cost"][k] for k in ("layer_kv_bytes", "layer_window", "layer_state_bytes") if k in fields["cost"]]
+        if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"] \
+                or any(len(v) != fields["n_layer"] for v in per_layer) or len(per_layer) not in (0, 3):
             raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its layers disagree with n_layer {fields['n_layer']}", rid)
         for name in ("n_embd", "n_vocab"):
             if fields["cost"][name] != fields[name]:

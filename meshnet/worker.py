@@ -213,8 +213,10 @@ class StageWorker:
         """--layers auto: announce the budget and the model's costs, hold nothing yet."""
         from .gguf_layout import read_layout
 
+        from .engine import layer_memory
+
         layout = read_layout(self.config.model_path)
-        self.cost = ModelCost.from_layout(layout)
+        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
         self.max_payload = self.config.n_batch * layout.n_embd * 4   # as it will be: bounds the control socket too
         self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
                                admitted_bytes=self.config.mem, cost=self.cost.to_dict())

@@ -87,3 +87,25 @@ def test_a_generated_model_of_the_first_three_architectures_loads_as_every_range
                 info = stage.info()
                 assert (info.layer_start, info.layer_end) == (start, end)
                 assert info.is_head == (start == 0) and info.is_tail == (end == n_layer)
+
+
+@pytest.mark.parametrize("arch", SPLITS)
+def test_the_planner_counts_each_stage_s_kv_and_state_as_the_engine_allocates_them(arch):
+    # per layer type (full attention, sliding window, MLA, indexer keys, recurrent state),
+    # from engine.layer_memory, for every split of every generated model of the architecture
+    from meshnet.engine import layer_memory
+    from meshnet.gguf_layout import read_layout
+    from meshnet.planner import ModelCost
+
+    n_ctx, n_sessions, n_batch = 512, 2, 512
+    for stem, path in MODELS.items():
+        if model_arch(stem) != arch:
+            continue
+        cost = ModelCost.from_layout(read_layout(path), layer_memory(path))
+        for ranges in [[(0, cost.n_layer)]] + parity.splits(cost.n_layer):
+            for start, end in ranges:
+                layers = None if (start, end) == (0, cost.n_layer) else (start, end)
+                with Stage(path, layers, n_ctx=n_ctx, max_sessions=n_sessions, n_batch=n_batch,
+                           n_threads=THREADS) as stage:
+                    allocated = stage.info().kv_bytes
+                assert cost.memory_bytes(start, end, n_ctx, n_sessions, n_batch) == allocated, (stem, start, end)

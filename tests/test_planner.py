@@ -123,3 +123,35 @@ def test_the_estimate_is_within_2_percent_of_what_the_engine_allocates(smollm2_p
             engine = info.model_bytes + info.kv_bytes + info.compute_bytes
         estimate = stage_need(cost, start, end, settings, overhead=0)
         assert abs(estimate - engine) <= 0.02 * engine + (4 << 20), (start, end, estimate, engine)
+
+
+# a fake hybrid model for pure arithmetic: attention, a sliding-window layer, a recurrent
+# layer, attention again (per-layer memory as engine.layer_memory gives it)
+FAKE_HYBRID = dataclasses.replace(FAKE_MODEL, n_layer=4, layer_bytes=(MIB,) * 4, kv_bytes_per_cell=1000,
+                                  layer_kv_bytes=(1000, 1000, 0, 1000), layer_window=(0, 100, 0, 0),
+                                  layer_state_bytes=(0, 0, 5 * MIB, 0))
+
+
+def test_each_layer_keeps_its_own_kind_of_memory():
+    # full context: n_ctx cells; the window: window + n_ubatch rounded up to 256, at most n_ctx
+    # rounded so; recurrent: its state, whatever the context; all of it per session
+    assert FAKE_HYBRID.memory_bytes(0, 1, 4096, 2, 512) == 2 * 1000 * 4096
+    assert FAKE_HYBRID.memory_bytes(1, 2, 4096, 2, 512) == 2 * 1000 * 768
+    assert FAKE_HYBRID.memory_bytes(1, 2, 300, 1, 512) == 1000 * 512
+    assert FAKE_HYBRID.memory_bytes(2, 3, 4096, 3, 512) == 3 * 5 * MIB
+    assert FAKE_HYBRID.memory_bytes(0, 4, 4096, 1, 512) == 1000 * (4096 + 768 + 4096) + 5 * MIB
+    # without per-layer memory every layer counts as full-context attention
+    uniform = dataclasses.replace(FAKE_HYBRID, layer_kv_bytes=(), layer_window=(), layer_state_bytes=())
+    assert uniform.memory_bytes(2, 3, 4096, 3, 512) == 3 * 1000 * 4096
+
+
+def test_the_per_layer_memory_crosses_the_wire_and_is_left_out_when_unknown():
+    assert ModelCost.from_dict(FAKE_HYBRID.to_dict()) == FAKE_HYBRID
+    assert "layer_kv_bytes" not in FAKE_MODEL.to_dict() and ModelCost.from_dict(FAKE_MODEL.to_dict()) == FAKE_MODEL
+
+
+def test_a_recurrent_stage_is_planned_by_its_state_not_by_a_context_of_kv():
+    settings = Settings(n_ctx=4096, n_sessions=8, n_batch=512)
+    recurrent = stage_need(FAKE_HYBRID, 2, 3, settings, overhead=0)
+    attention = stage_need(FAKE_HYBRID, 3, 4, settings, overhead=0)
+    assert attention - recurrent > 8 * 1000 * 4096 - 8 * 5 * MIB - 1
