@@ -193,9 +193,10 @@ MESHNET_API meshnet_status meshnet_session_open    (meshnet_stage * stage, uint6
 MESHNET_API meshnet_status meshnet_session_release (meshnet_stage * stage, uint64_t session_id);
 /* A model with recurrent state (Mamba, RWKV, the hybrids) keeps no state per position:
  * it cannot drop the last tokens, and truncate returns MESHNET_ERR_CANNOT_ROLL_BACK,
- * the session unchanged. A forward pass that fails after such a state moved cannot be
- * undone either: the session is emptied, and later calls on it are refused with that
- * code until it is released and fed again from the start. */
+ * the session unchanged. A forward pass past position 0 that fails after such a state
+ * moved cannot be undone either: the session is emptied, and later calls on it are
+ * refused with that code until it is released and fed again from the start (a failed
+ * pass from position 0 only leaves the session empty, as a transformer's would be). */
 MESHNET_API meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep);
 MESHNET_API meshnet_status meshnet_session_length  (meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens);
 /* The tail samples the session's tokens from now on (NULL: the most likely token again).

@@ -109,3 +109,38 @@ def test_a_real_gemma3_over_worker_processes_gives_the_whole_model_s_tokens_and_
         run = parity.generate(whole, np.asarray(prompt, dtype=np.int32), [0], 16)
     assert session.tokens == run.tokens
     assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, run.logits)) == 0.0
+
+
+def test_a_pass_aborted_after_a_recurrent_state_moved_leaves_the_session_refused_until_fed_again():
+    import threading
+
+    tokens = [(7 * i) % 120 + 3 for i in range(1024)]
+    with Stage(model("mamba-dense"), (0, 2), n_ctx=2048, max_sessions=1, n_batch=1024, n_threads=1) as stage:
+        for attempt in range(20):   # an abort that lands before the pass starts is cleared by it: again
+            stage.open_session(1)
+            stage.forward([Entry(1, 0, tokens=tokens[:4])])   # a state to lose (from 0, a rollback is a reset)
+            outcome = {}
+
+            def forward():
+                try:
+                    stage.forward([Entry(1, 4, tokens=tokens[4:])])
+                    outcome["error"] = None
+                except MeshnetError as e:
+                    outcome["error"] = e
+
+            worker = threading.Thread(target=forward)
+            worker.start()
+            while worker.is_alive():
+                stage.abort()
+                worker.join(0.001)
+            if outcome["error"] is not None:
+                break
+            stage.release_session(1)
+        assert outcome["error"] is not None and outcome["error"].code == "aborted", "no abort landed in 20 passes"
+        with pytest.raises(MeshnetError) as refused:
+            stage.forward([Entry(1, 4, tokens=tokens[4:8])])
+        assert refused.value.code == "cannot_roll_back" and "feed it again from the start" in refused.value.message
+        stage.release_session(1)          # released, the slot starts afresh
+        stage.open_session(1)
+        stage.forward([Entry(1, 0, tokens=tokens[:4])])
+        assert stage.session_length(1) == 4
