@@ -2,10 +2,11 @@
 """Split against whole for every generated model (make test-models), each in a process of
 its own (a graph that asserts aborts its process): the table of what splits exactly.
 
-    .venv/bin/python tools/arch_parity.py [--models build/test-models/models] [--only REGEX] [--json OUT]
+    .venv/bin/python tools/arch_parity.py [--models build/test-models/models] [--only REGEX] [--json OUT] [--table]
 
 Prints one line per model: exact, differs (the worst check and its max |diff|), or the
-error. This is how a new pin is triaged before engine_c/architectures.tsv is updated;
+error. Every architecture is tried, listed as splitting or not (the engine's refusal is
+lifted with MESHNET_TRIAGE_ANY_ARCH=1 in the children); --table keeps the refusal. This is how a new pin is triaged before engine_c/architectures.tsv is updated;
 the tests (tests/test_architectures.py) hold the table to it.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,10 +34,11 @@ except MeshnetError as e:
 """
 
 
-def run_one(path: Path, timeout: float) -> dict:
+def run_one(path: Path, timeout: float, any_arch: bool) -> dict:
+    env = dict(os.environ, MESHNET_TRIAGE_ANY_ARCH="1" if any_arch else "0")
     try:
         done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+                              timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"error": "timeout", "message": f"no answer in {timeout:.0f} s"}
     lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
@@ -61,11 +64,12 @@ def main() -> int:
     ap.add_argument("--only", default="", help="a regular expression over file names")
     ap.add_argument("--timeout", type=float, default=120)
     ap.add_argument("--json", type=Path, help="write every result here")
+    ap.add_argument("--table", action="store_true", help="keep the engine's refusal of what the table does not list")
     args = ap.parse_args()
     paths = sorted(p for p in args.models.glob("*.gguf") if re.search(args.only, p.name))
     results = {}
     for path in paths:
-        results[path.name] = run_one(path, args.timeout)
+        results[path.name] = run_one(path, args.timeout, not args.table)
         print(f"{path.name:32} {summary(results[path.name])}", flush=True)
     n_exact = sum(1 for r in results.values() if r.get("exact"))
     print(f"{n_exact} of {len(results)} models split exactly")
