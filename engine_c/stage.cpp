@@ -181,7 +181,6 @@ struct meshnet_stage {
     std::vector<llama_token_data> candidates; // the sampler's working array, n_vocab long
     std::atomic<bool>         abort_requested{false};
     std::string               last_error;
-    bool                      mrope = false;  // positions in M-RoPE sections (Qwen2-VL and after)
 
     meshnet_status fail(meshnet_status status, std::string message) {
         last_error = std::move(message);
@@ -304,8 +303,6 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_MODEL_LOAD;
     }
     stage->vocab = llama_model_get_vocab(stage->model);
-    const llama_rope_type rope = llama_model_rope_type(stage->model);
-    stage->mrope = rope == LLAMA_ROPE_TYPE_MROPE || rope == LLAMA_ROPE_TYPE_IMROPE;
 
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
@@ -585,10 +582,11 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                     roll_back();
                     return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
                 }
-                // a residual row carries one position per M-RoPE section, which llama.cpp
-                // fills in itself for a token row: the text position three times, then 0
+                // a residual row of an M-RoPE model carries one position per section, which
+                // llama.cpp fills in itself for a token row: the text position three times,
+                // then 0 (any other model reads the first alone)
                 const llama_pos p = e.pos + t;
-                const llama_pos pos[4] = { p, stage->mrope ? p : 0, stage->mrope ? p : 0, 0 };
+                const llama_pos pos[4] = { p, p, p, 0 };
                 llama_batch_ext_set_pos(stage->batch, idx, pos);
                 if (t == 0) {
                     first_row[i] = idx;

@@ -124,9 +124,11 @@ def layer_memory(model_path: str | os.PathLike) -> list[LayerMemory]:
     lib = library()
     err = _ffi.new("char[]", 1024)
     n_layer = _ffi.new("int32_t *")
-    status = lib.meshnet_layer_memory_of(str(model_path).encode(), _ffi.NULL, 0, n_layer, err, 1024)
-    if status == 0:
-        raw = _ffi.new("meshnet_layer_memory[]", max(n_layer[0], 1))
+    capacity = 1024   # room for any model there is, so the file is read once
+    raw = _ffi.new("meshnet_layer_memory[]", capacity)
+    status = lib.meshnet_layer_memory_of(str(model_path).encode(), raw, capacity, n_layer, err, 1024)
+    if status == 0 and n_layer[0] > capacity:
+        raw = _ffi.new("meshnet_layer_memory[]", n_layer[0])
         status = lib.meshnet_layer_memory_of(str(model_path).encode(), raw, n_layer[0], n_layer, err, 1024)
     if status != 0:
         raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), _ffi.string(err).decode(errors="replace"))

@@ -15,7 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .engine import Entry, Stage
+from .engine import Entry
+from .gguf_layout import read_layout
+from .pipeline import LocalPipeline
 
 PROMPT_TOKENS = 24
 GREEDY_STEPS = 16
@@ -40,47 +42,15 @@ def splits(n_layer: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-class Route:
-    """Stages for consecutive layer ranges; one forward pass runs them in order."""
+def route(path: str, ranges: Sequence[tuple[int, int]] | None, **stage_options) -> LocalPipeline:
+    """Stages of PATH for RANGES in this process; None: the whole model (no range)."""
+    return LocalPipeline(path, ranges or [(0, read_layout(path).n_layer)], **stage_options)
 
-    def __init__(self, path: str, ranges: Sequence[tuple[int, int]] | None, **stage_args):
-        self.stages: list[Stage] = []
-        try:
-            for layers in (ranges or [None]):
-                self.stages.append(Stage(path, layers, **stage_args))
-        except BaseException:
-            self.close()
-            raise
 
-    def close(self) -> None:
-        for stage in self.stages:
-            stage.close()
-
-    def __enter__(self) -> "Route":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def open(self, sid: int) -> None:
-        for stage in self.stages:
-            stage.open_session(sid)
-
-    def release(self, sid: int) -> None:
-        for stage in self.stages:
-            stage.release_session(sid)
-
-    def forward(self, feeds: Sequence[tuple[int, int, np.ndarray]]) -> np.ndarray:
-        """FEEDS: (session, position, tokens) each; the last row's logits of each, in order."""
-        entries = [Entry(sid, pos, tokens=np.asarray(tokens, dtype=np.int32)) for sid, pos, tokens in feeds]
-        for stage in self.stages[:-1]:
-            rows = stage.forward(entries).residual
-            split, start = [], 0
-            for entry in entries:
-                split.append(Entry(entry.session_id, entry.pos, residual=rows[start:start + entry.n_tokens]))
-                start += entry.n_tokens
-            entries = split
-        return self.stages[-1].forward(entries).logits.copy()
+def _last_logits(pipeline: LocalPipeline, feeds: Sequence[tuple[int, int, Sequence[int]]]) -> np.ndarray:
+    """FEEDS: (session, position, tokens) each; the last row's logits of each, in order."""
+    entries = [Entry(sid, pos, tokens=np.asarray(tokens, dtype=np.int32)) for sid, pos, tokens in feeds]
+    return pipeline.forward(entries).logits
 
 
 @dataclass
@@ -91,33 +61,33 @@ class Run:
     tokens: list[int] = field(default_factory=list)
 
 
-def generate(route: Route, tokens: np.ndarray, cuts: Sequence[int], steps: int, sid: int = 1) -> Run:
+def generate(pipeline: LocalPipeline, tokens: np.ndarray, cuts: Sequence[int], steps: int, sid: int = 1) -> Run:
     """TOKENS in the chunks that CUTS starts, then STEPS greedy tokens, one session alone."""
     run = Run()
-    route.open(sid)
+    pipeline.open_session(sid)
     try:
         bounds = list(cuts) + [len(tokens)]
         for start, end in zip(bounds, bounds[1:]):
-            run.logits.append(route.forward([(sid, start, tokens[start:end])])[0])
+            run.logits.append(_last_logits(pipeline, [(sid, start, tokens[start:end])])[0])
         pos = len(tokens)
         for _ in range(steps):
             token = int(np.argmax(run.logits[-1]))
             run.tokens.append(token)
-            run.logits.append(route.forward([(sid, pos, [token])])[0])
+            run.logits.append(_last_logits(pipeline, [(sid, pos, [token])])[0])
             pos += 1
     finally:
-        route.release(sid)
+        pipeline.release_session(sid)
     return run
 
 
-def generate_batched(route: Route, prompts: Sequence[np.ndarray], steps: int) -> list[Run]:
+def generate_batched(pipeline: LocalPipeline, prompts: Sequence[np.ndarray], steps: int) -> list[Run]:
     """Each prompt as a session of its own, all of them in every forward call together."""
     runs = [Run() for _ in prompts]
     sids = list(range(1, len(prompts) + 1))
     for sid in sids:
-        route.open(sid)
+        pipeline.open_session(sid)
     try:
-        for run, logits in zip(runs, route.forward([(sid, 0, p) for sid, p in zip(sids, prompts)])):
+        for run, logits in zip(runs, _last_logits(pipeline, [(sid, 0, p) for sid, p in zip(sids, prompts)])):
             run.logits.append(logits)
         for step in range(steps):
             feeds = []
@@ -125,11 +95,11 @@ def generate_batched(route: Route, prompts: Sequence[np.ndarray], steps: int) ->
                 token = int(np.argmax(run.logits[-1]))
                 run.tokens.append(token)
                 feeds.append((sid, len(p) + step, [token]))
-            for run, logits in zip(runs, route.forward(feeds)):
+            for run, logits in zip(runs, _last_logits(pipeline, feeds)):
                 run.logits.append(logits)
     finally:
         for sid in sids:
-            route.release(sid)
+            pipeline.release_session(sid)
     return runs
 
 
@@ -161,8 +131,8 @@ class Report:
 def check(path: str, n_threads: int = 2, steps: int = GREEDY_STEPS) -> Report:
     """Every split of PATH against its whole model (same engine, no range), bit for bit."""
     args = dict(n_ctx=128, max_sessions=2, n_threads=n_threads)
-    with Route(path, None, **args) as whole:
-        info = whole.stages[0].info()
+    with route(path, None, **args) as whole:
+        info = whole.head.info()
         report = Report(info.arch, info.n_layer)
         tokens = prompt(info.n_vocab)
         others = prompt(info.n_vocab, PROMPT_TOKENS - 5, seed=1)
@@ -175,9 +145,9 @@ def check(path: str, n_threads: int = 2, steps: int = GREEDY_STEPS) -> Report:
     report.results["whole: token by token against one chunk"] = max_diff(one_chunk, by_token, tail=steps + 1)
     for ranges in splits(report.n_layer):
         name = f"{len(ranges)} stages {ranges}"
-        with Route(path, ranges, **args) as route:
-            report.results[name + ": chunked"] = max_diff(chunked, generate(route, tokens, CHUNKS, steps))
-            batched = generate_batched(route, [tokens, others], steps)
+        with route(path, ranges, **args) as pipeline:
+            report.results[name + ": chunked"] = max_diff(chunked, generate(pipeline, tokens, CHUNKS, steps))
+            batched = generate_batched(pipeline, [tokens, others], steps)
             report.results[name + ": 2 sessions batched"] = max(max_diff(one_chunk, batched[0]),
                                                                max_diff(other, batched[1]))
     return report

@@ -117,8 +117,8 @@ class ModelCost:
 
     def memory_bytes(self, start: int, end: int, n_ctx: int, n_sessions: int, n_ubatch: int) -> int:
         """KV and recurrent state of layers [start, end) for N_SESSIONS sessions of N_CTX
-        tokens: a sliding-window layer keeps window + n_ubatch cells (rounded up to
-        SWA_PAD, at most the context), a recurrent one a fixed state per session."""
+        tokens: a sliding-window layer keeps window + n_ubatch cells (at most the
+        context, then rounded up to SWA_PAD), a recurrent one a fixed state per session."""
         if not self.layer_kv_bytes:
             return (end - start) * self.kv_bytes_per_cell * n_ctx * n_sessions
         return n_sessions * sum(self.layer_kv_bytes[il] * self._cells(il, n_ctx, n_ubatch) + self.layer_state_bytes[il]

@@ -105,7 +105,7 @@ def test_a_real_gemma3_over_worker_processes_gives_the_whole_model_s_tokens_and_
     with LocalCluster(gemma3_path, ranges, threads=1, n_ctx=256, max_sessions=1) as cluster:
         prompt = cluster.coordinator.tokenize("The old lighthouse keeper climbed the stairs and saw")
         session = cluster.coordinator.generate(prompt, 16, stop_at_eog=False, want_logits=True).result(300)
-    with parity.Route(gemma3_path, None, n_ctx=256, max_sessions=1, n_threads=THREADS) as whole:
+    with parity.route(gemma3_path, None, n_ctx=256, max_sessions=1, n_threads=THREADS) as whole:
         run = parity.generate(whole, np.asarray(prompt, dtype=np.int32), [0], 16)
     assert session.tokens == run.tokens
     assert max(float(np.abs(a - b).max()) for a, b in zip(session.logits, run.logits)) == 0.0

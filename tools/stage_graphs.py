@@ -173,7 +173,7 @@ def transform(src: str) -> tuple[str, list[str]]:
     """The staged source and a note per loop edited (or why a loop was left)."""
     notes = []
     out = src
-    search_from = skipped_until = 0
+    search_from = 0   # past the loops left as they are; a staged loop no longer matches
     while True:
         mask = code_mask(out)
         at = out.find(LOOP, search_from)
@@ -197,14 +197,12 @@ def transform(src: str) -> tuple[str, list[str]]:
         if residual is None:
             notes.append("a layer loop with no top-level assignment: left as it is")
             search_from = body_close
-            skipped_until = body_close
             continue
 
         # the prelude: from build_inp_embd to the loop, within this function
-        prev_loop = out.rfind(STAGE_LOOP, 0, at)
-        region_floor = max(prev_loop, out.rfind("::graph", 0, at), out.rfind("llm_graph_context(params)", 0, at))
+        region_floor = max(out.rfind(STAGE_LOOP, 0, at), function_start)
         embd_var, prelude_start = None, None
-        for m in EMBD.finditer(out, region_floor if region_floor > 0 else 0, at):
+        for m in EMBD.finditer(out, region_floor, at):
             if mask[m.start()]:
                 embd_var = m.group(1)
                 prelude_start = out.find(";", m.end()) + 1
@@ -235,7 +233,6 @@ def transform(src: str) -> tuple[str, list[str]]:
             out = out[:b] + block + out[e:]
         notes.append(f"loop staged, residual '{residual}'"
                      + (f", {len(head_only)} prelude statement(s) on '{embd_var}' head-only" if head_only else ""))
-        search_from = skipped_until   # the staged loop no longer matches
     out = re.sub(r"\bbuild_inp_out_ids\(\)", "build_inp_out_ids_stage()", out)
     return out, notes
 
