@@ -43,7 +43,7 @@ from . import errors as E
 from .engine import utf8_or_error
 from .errors import MeshnetError
 from .generation import FeedHead, Finish, Generation, StopRule, Token
-from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, now
+from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, Wakefulness, now
 from .metrics import percentiles
 from .drift import DriftMeter
 from .layers import LayerRange
@@ -66,7 +66,6 @@ MAX_FRAMES = 3                 # a peer's identity, a header and at most one pay
 DATA_HWM = 10_000              # ZeroMQ high-water mark of the data sockets, messages
 RECV_BATCH = 256               # messages handled per wake-up before looking at the clock again
 CLOCK_PERIOD = 0.01            # seconds between checks of heartbeats, liveness and deadlines
-PAUSED_AFTER = 4               # heartbeat intervals between two turns of the loop that mean it was stopped
 
 
 @dataclass
@@ -549,18 +548,11 @@ class Coordinator:
         pacer = Pacer(self.heartbeat_interval)
         tick_ms = max(1, int(self.heartbeat_interval * 1000 / 2))
         clocks_at = 0.0
-        turned_at = now()
+        awake = Wakefulness(self.heartbeat_interval)
         while self._running:
             try:
                 events = dict(poller.poll(tick_ms))
-                if now() - turned_at > PAUSED_AFTER * self.heartbeat_interval:
-                    # this process was stopped (SIGSTOP, a suspend, a swap storm): the
-                    # workers' silence was ours, and what they sent meanwhile waits to be read
-                    log.warning("coordinator: this process was stopped for %.1f s; its workers get a fresh "
-                                "heartbeat window", now() - turned_at)
-                    for w in self.workers.values():
-                        w.liveness.heard()
-                turned_at = now()
+                self._forgive_own_stop(awake.stopped_for())
                 if self.router in events:
                     for _ in range(RECV_BATCH):
                         self._receive()
@@ -581,13 +573,27 @@ class Coordinator:
                     if pacer.due():
                         for w in list(self.workers.values()):
                             self._send(w.identity, P.encode(P.HEARTBEAT, 0))
-                    for w in [w for w in self.workers.values() if w.liveness.dead()]:
+                    silent = [w for w in self.workers.values() if w.liveness.dead()]
+                    if silent and self._forgive_own_stop(awake.stopped_for()):
+                        silent = []
+                    for w in silent:
                         self._guarded("losing a silent worker", self._lose_worker, w, "stopped answering heartbeats")
                     self._expire_requests()
                     self._expire_sessions()
             except Exception:  # the last line of defence: a bug must not stop every session
                 self.counters["internal_errors"] += 1
                 log.exception("coordinator: unexpected error in the I/O loop; it goes on")
+
+    def _forgive_own_stop(self, stopped_for: float) -> bool:
+        """The workers' silence while this process was stopped was ours, and what they
+        sent meanwhile waits to be read: each gets a fresh heartbeat window."""
+        if not stopped_for:
+            return False
+        log.warning("coordinator: this process was stopped for %.1f s; its workers get a fresh heartbeat window",
+                    stopped_for)
+        for w in self.workers.values():
+            w.liveness.heard()
+        return True
 
     def _guarded(self, what: str, fn, *args, sid: int | None = None, events: queue.Queue | None = None) -> None:
         """Run one piece of the loop's work; an exception in it is logged with its

@@ -16,6 +16,7 @@ HEARTBEAT_INTERVAL = 0.25   # seconds between heartbeats
 HEARTBEAT_LIVENESS = 8      # silent intervals before a peer is declared dead
 RECONNECT_IVL_MS = 250      # libzmq's first reconnect delay
 RECONNECT_IVL_MAX_MS = 8000 # libzmq's reconnect delay cap (it doubles up to this)
+PAUSED_AFTER = 4            # heartbeat intervals between two looks at the clock that mean we were stopped
 
 
 def now() -> float:
@@ -52,3 +53,23 @@ class Pacer:
             return False
         self.next_at = t + self.interval
         return True
+
+
+class Wakefulness:
+    """Was this process itself stopped (SIGSTOP, a laptop's suspend, a swap storm)?
+
+    A peer's silence counts only while we were awake to hear it. A loop asks after
+    every poll, and asks again after it has found a peer silent and before it acts on
+    that: a stop that lands anywhere between two looks, even between the finding and
+    the act, is seen before a peer is blamed for it.
+    """
+
+    def __init__(self, interval: float = HEARTBEAT_INTERVAL):
+        self.limit = PAUSED_AFTER * interval
+        self.looked_at = now()
+
+    def stopped_for(self) -> float:
+        """Seconds this process was stopped since the last look (0.0 if it was not)."""
+        t = now()
+        gap, self.looked_at = t - self.looked_at, t
+        return gap if gap > self.limit else 0.0

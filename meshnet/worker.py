@@ -32,7 +32,8 @@ from . import errors as E
 from . import protocol as P
 from .engine import Stage, engine_pin
 from .errors import MeshnetError
-from .heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Liveness, Pacer
+from .heartbeat import (HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Liveness,
+                        Pacer, Wakefulness)
 from .metrics import rss_bytes
 from . import security
 from .planner import ModelCost, Settings, format_size, stage_need
@@ -49,7 +50,6 @@ GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect schedul
 SOCKET_HWM = 1000         # ZeroMQ high-water mark, messages, both directions
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
-PAUSED_AFTER = 4          # heartbeat intervals between two turns of the loop that mean it was stopped
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
 # so that tests can prove `meshnet accept` notices; never set outside tests
 TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
@@ -314,6 +314,13 @@ class StageWorker:
         knows they are gone."""
         self._send(P.encode(P.READY, 0, capability=self.capability, epoch=self.epoch))
 
+    def _forgive_own_stop(self, stopped_for: float) -> bool:
+        """The coordinator's silence while this process was stopped (SIGSTOP, a laptop's
+        suspend, a swap storm) was ours; what it sent meanwhile is still to be read."""
+        if stopped_for:
+            self.coordinator_alive.heard()
+        return bool(stopped_for)
+
     def _coordinator_lost(self) -> None:
         """Its sessions are over: free them and drop the replies still owed to it."""
         self._submit(Job("release_all", 0, self.epoch))
@@ -503,14 +510,10 @@ class StageWorker:
         poller.register(self.dealer, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
-        turned_at = time.monotonic()
+        awake = Wakefulness(self.config.heartbeat_interval)
         while True:
             events = dict(poller.poll(LOADING_POLL_MS if self.loading else interval_ms))
-            if time.monotonic() - turned_at > PAUSED_AFTER * self.config.heartbeat_interval:
-                # this process was stopped (SIGSTOP, a laptop's suspend, a swap storm): the
-                # coordinator's silence was ours; what it sent meanwhile is still to be read
-                self.coordinator_alive.heard()
-            turned_at = time.monotonic()
+            self._forgive_own_stop(awake.stopped_for())
             if self.loading is not None and self.loading[1].done():
                 self._finish_loading()
             if self.results in events:
@@ -534,7 +537,7 @@ class StageWorker:
                 self._connect()  # announces us on the new socket
                 poller.register(self.dealer, zmq.POLLIN)
                 poller.register(self.monitor, zmq.POLLIN)
-            elif self.coordinator_alive.dead():
+            elif self.coordinator_alive.dead() and not self._forgive_own_stop(awake.stopped_for()):
                 # nothing here blocks: the socket stays (libzmq reconnects it), heartbeats go on
                 self._coordinator_lost()
                 self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
