@@ -103,14 +103,15 @@ REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt
 reference: $(REFERENCE)/stock/meshnet-reference $(REFERENCE)/invariant/meshnet-reference
 
 # the stock build also makes the pin's generator of random-weight models of every
-# architecture (tests/test-llama-archs.cpp, with more layers: tools/test-models), which the
+# architecture (tests/test-llama-archs.cpp, with more layers and architectures: tools/test-models), which the
 # tests run on
 TEST_MODELS_DIR   := $(BUILD)/test-models
 ARCHS_GENERATOR_SOURCE := $(TEST_MODELS_DIR)/test-llama-archs.cpp
 
-$(ARCHS_GENERATOR_SOURCE): $(PRISTINE)/.stamp tools/test-models/more-layers.patch
+$(ARCHS_GENERATOR_SOURCE): $(PRISTINE)/.stamp tools/test-models/more-layers.patch tools/test-models/more-architectures.patch
 	mkdir -p $(TEST_MODELS_DIR)
 	patch --quiet --fuzz=0 -o $@ $(PRISTINE)/tests/test-llama-archs.cpp < tools/test-models/more-layers.patch
+	patch --quiet --fuzz=0 $@ < tools/test-models/more-architectures.patch
 
 $(REFERENCE)/stock/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES) $(ARCHS_GENERATOR_SOURCE)
 	cmake -S tools/reference -B $(REFERENCE)/stock -DCMAKE_BUILD_TYPE=Release -DMESHNET_ARCH_MODELS=ON \
