@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 7
+#define MESHNET_ENGINE_ABI_VERSION 8
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -39,7 +39,7 @@ typedef enum {
     MESHNET_ERR_UNSUPPORTED_ARCH  = 4,  /* the architecture cannot be split yet */
     MESHNET_ERR_BAD_RANGE         = 5,  /* layer range empty or outside the model */
     MESHNET_ERR_BAD_TOKEN         = 6,  /* token id outside the vocabulary */
-    MESHNET_ERR_BAD_WIDTH         = 7,  /* residual rows not n_embd wide */
+    MESHNET_ERR_BAD_WIDTH         = 7,  /* residual rows not seam_width wide */
     MESHNET_ERR_CONTEXT_FULL      = 8,  /* position past the session's context */
     MESHNET_ERR_UNKNOWN_SESSION   = 9,
     MESHNET_ERR_TOO_MANY_SESSIONS = 10,
@@ -116,10 +116,13 @@ typedef struct {
     char     device[128];     /* that processor, as ggml describes it ("NVIDIA H200", a CPU's model name) */
     char     engine_pin[192]; /* as meshnet_engine_pin() */
     int32_t  numerics;        /* the meshnet_numerics it computes with */
+    int32_t  seam_width;      /* floats per residual row between stages: n_embd, or more where
+                                 per-token state beside the residual crosses too (RWKV-7's
+                                 first-layer value, Gemma 4's per-layer inputs) */
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other
- * stage passes n_tokens residual rows of embd_width floats each. */
+ * stage passes n_tokens residual rows of embd_width (= info.seam_width) floats each. */
 typedef struct {
     uint64_t        session_id;
     int32_t         pos;         /* position of the first row: the session's length so far */
@@ -130,7 +133,7 @@ typedef struct {
 } meshnet_entry;
 
 /* Caller-owned output buffers. A stage before the tail fills residual with one row of
- * n_embd floats per input row, in entry order. The tail fills token[e] with entry e's
+ * seam_width floats per input row, in entry order. The tail fills token[e] with entry e's
  * next token and, when logits is not NULL, logits[e * n_vocab ...] with entry e's
  * last-row logits (before any sampler). */
 typedef struct {

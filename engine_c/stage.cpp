@@ -303,6 +303,22 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_MODEL_LOAD;
     }
     stage->vocab = llama_model_get_vocab(stage->model);
+    // Gemma 4's smaller models let their last layers read the KV of earlier ones: a stage
+    // would need another stage's cache
+    const llama_hparams & hp = stage->model->hparams;
+    if (ranged && hp.n_layer_kv_from_start >= 0 && hp.n_layer_kv_from_start < (int32_t) summary.n_layer) {
+        err = format("this '%s' model's layers %d..%d reuse the KV cache of earlier layers (shared KV), which no "
+                     "other stage holds, so it cannot be split; run it whole with the range [0, %d)",
+                     summary.arch.c_str(), hp.n_layer_kv_from_start, summary.n_layer - 1, summary.n_layer);
+        return MESHNET_ERR_UNSUPPORTED_ARCH;
+    }
+    // DeepSeek V4's first layers pick their experts by token id, which only the head has
+    if (ranged && il_start > 0 && stage->model->arch == LLM_ARCH_DEEPSEEK4 && il_start < (int32_t) hp.dsv4_hash_layer_count) {
+        err = format("this '%s' model's layers 0..%u route by token id, which only the head stage has: a stage past "
+                     "the head starts at layer %u or later", summary.arch.c_str(), hp.dsv4_hash_layer_count - 1,
+                     hp.dsv4_hash_layer_count);
+        return MESHNET_ERR_BAD_RANGE;
+    }
 
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
@@ -355,6 +371,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     std::snprintf(info.arch, sizeof(info.arch), "%s", summary.arch.c_str());
     info.n_layer      = summary.n_layer;
     info.n_embd       = llama_model_n_embd(stage->model);
+    info.seam_width   = info.n_embd + (int32_t) stage->model->hparams.stage_seam_extra;
     info.n_vocab      = llama_vocab_n_tokens(stage->vocab);
     info.layer_start  = il_start;
     info.layer_end    = il_end;
@@ -438,15 +455,16 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
             return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                     format("entry %d: stage [%d, %d) takes residual rows, not token ids", index, info.layer_start, info.layer_end));
         }
-        if (e.embd_width != info.n_embd) {
+        if (e.embd_width != info.seam_width) {
             return stage->fail(MESHNET_ERR_BAD_WIDTH,
-                    format("entry %d: residual rows are %d wide, this model's n_embd is %d", index, e.embd_width, info.n_embd));
+                    format("entry %d: residual rows are %d wide, this model's stages pass %d (n_embd %d)", index,
+                           e.embd_width, info.seam_width, info.n_embd));
         }
-        const int64_t bad = first_bad_value(e.embd, (int64_t) e.n_tokens * info.n_embd, MAX_RESIDUAL_ABS);
+        const int64_t bad = first_bad_value(e.embd, (int64_t) e.n_tokens * info.seam_width, MAX_RESIDUAL_ABS);
         if (bad >= 0) {
             return stage->fail(MESHNET_ERR_BAD_VALUE,
                     format("entry %d: residual row %lld, column %lld holds %g, which is not a finite value within +-%g",
-                           index, (long long) (bad / info.n_embd), (long long) (bad % info.n_embd), (double) e.embd[bad],
+                           index, (long long) (bad / info.seam_width), (long long) (bad % info.seam_width), (double) e.embd[bad],
                            (double) MAX_RESIDUAL_ABS));
         }
     }
@@ -577,7 +595,7 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
             for (int32_t t = 0; t < e.n_tokens; ++t) {
                 const int32_t idx = info.is_head
                     ? llama_batch_ext_add_token(stage->batch, seq, e.tokens[t])
-                    : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.n_embd, 1, (size_t) info.n_embd });
+                    : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.seam_width, 1, (size_t) info.seam_width });
                 if (idx < 0) {
                     roll_back();
                     return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
@@ -651,7 +669,7 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                     roll_back();
                     return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
                 }
-                const int64_t bad = first_bad_value(row, info.n_embd, MAX_RESIDUAL_ABS);
+                const int64_t bad = first_bad_value(row, info.seam_width, MAX_RESIDUAL_ABS);
                 if (bad >= 0) {
                     roll_back();
                     return stage->fail(MESHNET_ERR_BAD_VALUE,
@@ -659,7 +677,7 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                                    "nothing was kept", (long long) out_row, (double) row[bad], (long long) bad,
                                    (double) MAX_RESIDUAL_ABS));
                 }
-                std::memcpy(out->residual + (size_t) out_row * info.n_embd, row, sizeof(float) * info.n_embd);
+                std::memcpy(out->residual + (size_t) out_row * info.seam_width, row, sizeof(float) * info.seam_width);
             }
         }
     }

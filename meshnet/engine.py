@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # meshnet_status values, as the codes every layer of meshnet uses
 STATUS_CODES = {
@@ -171,6 +171,9 @@ class StageInfo:
     device: str           # the GPU's or the CPU's name
     engine_pin: str
     numerics: str         # the numerics class (meshnet/numerics.py)
+    seam_width: int       # floats per residual row between stages: n_embd, or more where state
+                          # beside the residual crosses too (RWKV-7's first-layer value, Gemma 4's
+                          # per-layer inputs)
 
 
 @dataclass
@@ -308,6 +311,10 @@ class Stage:
         return self.info_static.n_embd
 
     @property
+    def seam_width(self) -> int:
+        return self.info_static.seam_width
+
+    @property
     def n_vocab(self) -> int:
         return self.info_static.n_vocab
 
@@ -367,7 +374,7 @@ class Stage:
             if entry.residual is not None:
                 residual = np.ascontiguousarray(entry.residual, dtype=np.float32)
                 if residual.ndim != 2:
-                    raise MeshnetError(errors.BAD_WIDTH, f"residual must be 2-D (n_tokens, n_embd), got shape {residual.shape}")
+                    raise MeshnetError(errors.BAD_WIDTH, f"residual must be 2-D (n_tokens, seam_width), got shape {residual.shape}")
                 keep.append(residual)
                 raw_entry.n_tokens = residual.shape[0]
                 raw_entry.embd_width = residual.shape[1]
@@ -383,7 +390,7 @@ class Stage:
                 out.logits = np.empty((max(n_entries, 1), self.n_vocab), dtype=np.float32)
                 raw_out.logits = _ffi.from_buffer("float[]", out.logits)
         else:
-            out.residual = np.empty((max(n_rows, 1), self.n_embd), dtype=np.float32)
+            out.residual = np.empty((max(n_rows, 1), self.seam_width), dtype=np.float32)
             raw_out.residual = _ffi.from_buffer("float[]", out.residual)
         self._check(self._lib.meshnet_stage_forward(stage, raw, n_entries, raw_out))
         if out.residual is not None:

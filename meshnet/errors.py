@@ -56,7 +56,7 @@ TIMEOUT = _code("timeout", 4, "an operation did not finish in the time given to 
 # 5: the request
 CONTEXT_FULL = _code("context_full", 5, "the prompt and the tokens asked for do not fit the context")
 BAD_TOKEN = _code("bad_token", 5, "a token id outside the model's vocabulary")
-BAD_WIDTH = _code("bad_width", 5, "residual rows whose shape is not (n_tokens, n_embd)")
+BAD_WIDTH = _code("bad_width", 5, "residual rows whose shape is not (n_tokens, seam_width)")
 CANNOT_ROLL_BACK = _code("cannot_roll_back", 5, "a model with recurrent state cannot drop its last tokens (release the session, feed it again)")
 INVALID_ARGUMENT = _code("invalid_argument", 5, "an argument the operation cannot take (an empty prompt, bad UTF-8)")
 TOO_MANY_SESSIONS = _code("too_many_sessions", 5, "a stage already holds as many sessions as it was opened for")

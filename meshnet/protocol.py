@@ -483,16 +483,17 @@ def f32_payload(array: np.ndarray):
     return np.ascontiguousarray(array, dtype="<f4").data
 
 
-def residual_from(msg: Message, n_embd: int) -> np.ndarray:
-    """The residual rows of an ACT, checked: n rows of n_embd little-endian f32, exactly."""
+def residual_from(msg: Message, width: int) -> np.ndarray:
+    """The residual rows of an ACT, checked: n rows of WIDTH (the stage's seam_width: n_embd,
+    or more where state beside the residual crosses) little-endian f32, exactly."""
     n = msg["n"]
     if msg.payload is None or msg.get("tokens") is not None:
         raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: this stage takes {n} residual rows as a payload frame, "
                             "not token ids", msg.rid, msg.get("sid"))
     size = len(msg.payload)
-    if size != n * n_embd * 4:
-        width = size / (4 * n)
-        raise ProtocolError(E.BAD_WIDTH if width.is_integer() else E.BAD_PAYLOAD,
-                            f"{msg.type}: a payload of {size} bytes is not {n} rows x n_embd {n_embd} x f32 "
-                            f"({n * n_embd * 4} bytes)", msg.rid, msg.get("sid"))
-    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, n_embd)
+    if size != n * width * 4:
+        got = size / (4 * n)
+        raise ProtocolError(E.BAD_WIDTH if got.is_integer() else E.BAD_PAYLOAD,
+                            f"{msg.type}: a payload of {size} bytes is not {n} rows x {width} x f32 "
+                            f"({n * width * 4} bytes)", msg.rid, msg.get("sid"))
+    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, width)

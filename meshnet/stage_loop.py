@@ -395,7 +395,7 @@ class StageLoop(threading.Thread):
                 raise MeshnetError(E.BAD_PAYLOAD, f"the head stage takes n={n} token ids and no payload")
             step = Step(msg["sid"], msg["pos"], n, tokens=tokens)
         else:
-            step = Step(msg["sid"], msg["pos"], n, residual=P.residual_from(msg, self.info.n_embd))
+            step = Step(msg["sid"], msg["pos"], n, residual=P.residual_from(msg, self.info.seam_width))
             hop_us = (t_ns - msg["ts"]) // 1000 if session.hop_clock and "ts" in msg.fields else -1
             hop_us = -1 if not 0 <= hop_us <= MAX_SEAM_FIELD else hop_us   # a sender's odd clock is not a measurement
             if hop_us >= 0:

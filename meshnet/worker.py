@@ -231,7 +231,7 @@ class StageWorker:
                                admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
         if info.is_head:   # the coordinator refuses a text too long for any context before sending it here
             self.capability["max_token_bytes"] = max(len(stage.detokenize_bytes([t])) for t in range(info.n_vocab))
-        self.max_payload = max(info.n_batch * info.n_embd, 1) * 4
+        self.max_payload = max(info.n_batch * info.seam_width, 1) * 4
         curve = None
         if self.config.keys is not None:
             # the data endpoint lets in the coordinator, and each session's previous stage

@@ -15,9 +15,11 @@ from meshnet.errors import MeshnetError
 from conftest import TEST_MODELS, THREADS, last_json_line, meshnet
 
 # the kinds of the issue: dense, mixture of experts, sliding-window attention, MLA, and a
-# hybrid of attention and recurrent (Mamba) layers
+# hybrid of attention and recurrent (Mamba) layers; and state beside the residual, whose
+# rows cross the wire wider than n_embd (RWKV-7's first-layer value, Gemma 4's per-layer inputs)
 KINDS = {"dense": "llama-dense", "moe": "qwen3moe-moe", "sliding-window": "gemma3-dense",
-         "mla": "deepseek2-moe", "hybrid-recurrent": "jamba-dense"}
+         "mla": "deepseek2-moe", "hybrid-recurrent": "jamba-dense", "seam-state-recurrent": "rwkv7-dense",
+         "seam-state-per-layer-inputs": "gemma4-dense"}
 PROMPT = "the quick brown fox jumps over the lazy dog and runs far away"
 
 
