@@ -130,6 +130,7 @@ uint32_t draw_seed(uint64_t seed, int64_t pos) {
 struct gguf_summary {
     std::string arch;
     int32_t     n_layer = 0;
+    uint32_t    hash_layer_count = 0;   // DeepSeek V4: the first layers route experts by token id
 };
 
 meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & err) {
@@ -162,6 +163,10 @@ meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & e
     const int64_t layers_id = gguf_find_key(gctx, (out.arch + ".block_count").c_str());
     if (layers_id >= 0 && gguf_get_kv_type(gctx, layers_id) == GGUF_TYPE_UINT32) {
         out.n_layer = (int32_t) gguf_get_val_u32(gctx, layers_id);
+    }
+    const int64_t hash_id = gguf_find_key(gctx, (out.arch + ".hash_layer_count").c_str());
+    if (hash_id >= 0 && gguf_get_kv_type(gctx, hash_id) == GGUF_TYPE_UINT32) {
+        out.hash_layer_count = gguf_get_val_u32(gctx, hash_id);
     }
     gguf_free(gctx);
     return MESHNET_OK;
@@ -269,6 +274,13 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
                      "run it whole with the range [0, %d)", summary.arch.c_str(), summary.n_layer);
         return MESHNET_ERR_UNSUPPORTED_ARCH;
     }
+    // DeepSeek V4's first layers pick their experts by token id, which only the head has
+    if (ranged && il_start > 0 && il_start < (int32_t) summary.hash_layer_count) {
+        err = format("this '%s' model's layers 0..%u route experts by token id, which only the head stage has: a "
+                     "stage past the head starts at layer %u or later", summary.arch.c_str(),
+                     summary.hash_layer_count - 1, summary.hash_layer_count);
+        return MESHNET_ERR_BAD_RANGE;
+    }
 
     // The device list is explicit either way: empty for a CPU stage, so that an engine
     // built with a GPU backend still runs it on the CPU alone (llama.cpp would otherwise
@@ -311,13 +323,6 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
                      "other stage holds, so it cannot be split; run it whole with the range [0, %d)",
                      summary.arch.c_str(), hp.n_layer_kv_from_start, summary.n_layer - 1, summary.n_layer);
         return MESHNET_ERR_UNSUPPORTED_ARCH;
-    }
-    // DeepSeek V4's first layers pick their experts by token id, which only the head has
-    if (ranged && il_start > 0 && stage->model->arch == LLM_ARCH_DEEPSEEK4 && il_start < (int32_t) hp.dsv4_hash_layer_count) {
-        err = format("this '%s' model's layers 0..%u route by token id, which only the head stage has: a stage past "
-                     "the head starts at layer %u or later", summary.arch.c_str(), hp.dsv4_hash_layer_count - 1,
-                     hp.dsv4_hash_layer_count);
-        return MESHNET_ERR_BAD_RANGE;
     }
 
     const bool is_tail = il_end == summary.n_layer;

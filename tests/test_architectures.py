@@ -115,3 +115,33 @@ def test_the_planner_counts_each_stage_s_kv_and_state_as_the_engine_allocates_th
                            n_threads=THREADS) as stage:
                     allocated = stage.info().kv_bytes
                 assert cost.memory_bytes(start, end, n_ctx, n_sessions, n_batch) == allocated, (stem, start, end)
+
+
+def with_metadata(path: str, tmp_path, key: str, value: int) -> str:
+    """A copy of the generated model at PATH with one u32 metadata value changed in place."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    copy = str(tmp_path / os.path.basename(path))
+    shutil.copyfile(path, copy)
+    field = GGUFReader(copy, "r+").fields[key]
+    field.parts[-1][0] = value
+    return copy
+
+
+def test_a_gemma4_whose_last_layers_share_earlier_kv_is_refused_a_range(tmp_path):
+    # Gemma 4 E2B/E4B: their last layers read the KV of earlier ones, which no other stage holds
+    path = with_metadata(MODELS["gemma4-dense"], tmp_path, "gemma4.attention.shared_kv_layers", 2)
+    with pytest.raises(MeshnetError) as refused:
+        Stage(path, (0, 2), n_ctx=64, max_sessions=1, n_threads=THREADS)
+    assert refused.value.code == "unsupported_arch"
+    assert "layers 3..4 reuse the KV cache of earlier layers" in refused.value.message
+
+
+def test_a_deepseek4_stage_past_the_head_may_not_start_inside_its_token_routed_layers(tmp_path):
+    path = with_metadata(MODELS["deepseek4-moe"], tmp_path, "deepseek4.hash_layer_count", 2)
+    with pytest.raises(MeshnetError) as refused:
+        Stage(path, (1, 4), n_ctx=64, max_sessions=1, n_threads=THREADS)
+    assert refused.value.code == "bad_range"
+    assert "layers 0..1 route experts by token id" in refused.value.message and "layer 2 or later" in refused.value.message
