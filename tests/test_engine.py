@@ -316,7 +316,7 @@ def test_non_gguf_and_missing_files_are_refused(tmp_path):
     _expect("not_gguf", Stage, tmp_path / "missing.gguf")
 
 
-@pytest.mark.parametrize("arch, why", [("talkie", "skip from the normed input embedding"),
+@pytest.mark.parametrize("arch, why", [("hrm_text", "its layers run in cycles"),
                                        ("no-such-arch", "not one the pinned llama.cpp knows")])
 def test_unsplittable_architecture_with_a_range_names_the_architecture_and_why(tmp_path, arch, why):
     # refused from the header alone, before llama.cpp reads a tensor
