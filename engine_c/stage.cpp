@@ -131,6 +131,7 @@ struct gguf_summary {
     std::string arch;
     int32_t     n_layer = 0;
     uint32_t    hash_layer_count = 0;   // DeepSeek V4: the first layers route experts by token id
+    uint32_t    shared_kv_layers = 0;   // Gemma 4: the last layers read the KV of earlier ones
 };
 
 meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & err) {
@@ -164,9 +165,12 @@ meshnet_status probe_gguf(const char * path, gguf_summary & out, std::string & e
     if (layers_id >= 0 && gguf_get_kv_type(gctx, layers_id) == GGUF_TYPE_UINT32) {
         out.n_layer = (int32_t) gguf_get_val_u32(gctx, layers_id);
     }
-    const int64_t hash_id = gguf_find_key(gctx, (out.arch + ".hash_layer_count").c_str());
-    if (hash_id >= 0 && gguf_get_kv_type(gctx, hash_id) == GGUF_TYPE_UINT32) {
-        out.hash_layer_count = gguf_get_val_u32(gctx, hash_id);
+    for (auto [key, value] : { std::pair{".hash_layer_count", &out.hash_layer_count},
+                               std::pair{".attention.shared_kv_layers", &out.shared_kv_layers} }) {
+        const int64_t id = gguf_find_key(gctx, (out.arch + key).c_str());
+        if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_UINT32) {
+            *value = gguf_get_val_u32(gctx, id);
+        }
     }
     gguf_free(gctx);
     return MESHNET_OK;
@@ -281,6 +285,15 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
                      summary.hash_layer_count - 1, summary.hash_layer_count);
         return MESHNET_ERR_BAD_RANGE;
     }
+    // Gemma 4's smaller models let their last layers read the KV of earlier ones: a stage
+    // would need another stage's cache
+    if (ranged && summary.shared_kv_layers > 0 && summary.shared_kv_layers < (uint32_t) summary.n_layer) {
+        err = format("this '%s' model's layers %d..%d reuse the KV cache of earlier layers (shared KV), which no "
+                     "other stage holds, so it cannot be split; run it whole with the range [0, %d)",
+                     summary.arch.c_str(), summary.n_layer - (int32_t) summary.shared_kv_layers, summary.n_layer - 1,
+                     summary.n_layer);
+        return MESHNET_ERR_UNSUPPORTED_ARCH;
+    }
 
     // The device list is explicit either way: empty for a CPU stage, so that an engine
     // built with a GPU backend still runs it on the CPU alone (llama.cpp would otherwise
@@ -315,15 +328,6 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_MODEL_LOAD;
     }
     stage->vocab = llama_model_get_vocab(stage->model);
-    // Gemma 4's smaller models let their last layers read the KV of earlier ones: a stage
-    // would need another stage's cache
-    const llama_hparams & hp = stage->model->hparams;
-    if (ranged && hp.n_layer_kv_from_start >= 0 && hp.n_layer_kv_from_start < (int32_t) summary.n_layer) {
-        err = format("this '%s' model's layers %d..%d reuse the KV cache of earlier layers (shared KV), which no "
-                     "other stage holds, so it cannot be split; run it whole with the range [0, %d)",
-                     summary.arch.c_str(), hp.n_layer_kv_from_start, summary.n_layer - 1, summary.n_layer);
-        return MESHNET_ERR_UNSUPPORTED_ARCH;
-    }
 
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
