@@ -175,8 +175,8 @@ MESHNET_API meshnet_arch_support meshnet_arch_support_of(const char * arch, cons
  * stage of this engine (f16 K and V, no flash attention, f32 recurrent state). */
 typedef struct {
     int64_t kv_bytes_per_cell;  /* K and V of one token (0: the layer keeps no KV) */
-    int32_t window;             /* 0: its KV spans the context; else a sliding window of this many tokens
-                                 * (its cache holds window + n_ubatch cells, rounded up to 256) */
+    int32_t window;             /* 0: full attention; else a sliding window of this many tokens (a
+                                 * stage's cache still spans the context: it keeps swa_full) */
     int64_t state_bytes;        /* its recurrent state (0: none) */
 } meshnet_layer_memory;
 

@@ -336,6 +336,10 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.n_ctx           = (uint32_t) p->n_ctx * (uint32_t) p->max_sessions;
     cparams.n_seq_max       = (uint32_t) p->max_sessions;
     cparams.kv_unified      = false;   // each session attends over its own cells only
+    // a sliding-window layer keeps the whole context's cells (llama.cpp's default): a session
+    // can then be cut back to any position, and its cells lie as they would without a window;
+    // the planner counts it so
+    cparams.swa_full        = true;
     cparams.n_batch         = (uint32_t) p->n_batch;
     cparams.n_ubatch        = (uint32_t) (p->n_ubatch > 0 ? std::min(p->n_ubatch, p->n_batch) : p->n_batch);
     cparams.n_threads       = n_threads;

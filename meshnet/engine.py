@@ -114,7 +114,7 @@ def engine_pin(gpu: bool = False) -> str:
 class LayerMemory:
     """What one layer keeps per session beside its weights (meshnet_layer_memory)."""
     kv_bytes_per_cell: int   # K and V of one token; 0: no KV
-    window: int              # 0: the KV spans the context; else a sliding window
+    window: int              # 0: full attention; else a sliding window (its cache still spans the context)
     state_bytes: int         # recurrent state; 0: none
 
 

@@ -20,15 +20,13 @@ from . import errors as E
 from .errors import MeshnetError
 from .layers import LayerRange
 
-# Per worker process, beside what the engine allocates: Python, numpy, ZeroMQ and the
-# engine library measure 57-82 MB of RSS before a stage loads (SmolLM2, Qwen2.5-1.5B),
-# and the stage loop's buffers come on top.
-OVERHEAD = 128 << 20
+# Per worker process, beside what the engine allocates: Python, numpy, ZeroMQ, the engine
+# library and the stage loop's buffers. Peak RSS less the engine's share measured 92-101 MiB
+# (tools/plan_rss.py at 16k context: SmolLM2, generated jamba, qwen3moe and nemotron_h models).
+OVERHEAD = 96 << 20
 # the graph's own bookkeeping beside its tensors; with it the estimate of weights + KV +
 # compute is within 2% of what the engine reports (SmolLM2 and Qwen2.5-1.5B, head/tail)
 COMPUTE_SLACK = 4 << 20
-# llama.cpp rounds a sliding-window cache up to a multiple of 256 cells (llama-kv-cache-iswa.cpp)
-SWA_PAD = 256
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -76,8 +74,8 @@ class ModelCost:
     n_head: int
     n_vocab: int
     # per layer, as llama.cpp sizes its memory (engine.layer_memory): K and V of one token
-    # (0 for a recurrent layer), the sliding window (0: the whole context) and the recurrent
-    # state of one session. Empty: every layer keeps kv_bytes_per_cell over the context.
+    # (0 for a recurrent layer), the sliding window (0: none; it adds a mask, not cells) and
+    # the recurrent state of one session. Empty: every layer keeps kv_bytes_per_cell over the context.
     layer_kv_bytes: tuple[int, ...] = ()
     layer_window: tuple[int, ...] = ()
     layer_state_bytes: tuple[int, ...] = ()
@@ -104,24 +102,34 @@ class ModelCost:
         # (the per-layer memory only when known: an empty list is not n_layer long)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v != ()}
 
-    def _cells(self, il: int, n_ctx: int, n_ubatch: int) -> int:
-        window = self.layer_window[il]
-        return n_ctx if not window else -(-min(n_ctx, window + n_ubatch) // SWA_PAD) * SWA_PAD
+    # Every attention layer's cache spans the context, a sliding-window one too: the engine
+    # keeps llama.cpp's full-size window cache (swa_full), so a session can be cut back to
+    # any position and replayed; a window saves no cell there.
 
-    def attended_cells(self, start: int, end: int, n_ctx: int, n_ubatch: int) -> int:
-        """The most KV cells one attention layer of [start, end) reads (the attention scores
-        of a full batch are sized by it): 0 for a stage of recurrent layers only."""
-        if not self.layer_kv_bytes:
+    def attended_cells(self, start: int, end: int, n_ctx: int) -> int:
+        """The KV cells one attention layer of [start, end) reads (the attention scores of a
+        full batch are sized by it): 0 for a stage of recurrent layers only."""
+        if not self.layer_kv_bytes or any(self.layer_kv_bytes[start:end]):
             return n_ctx
-        return max((self._cells(il, n_ctx, n_ubatch) for il in range(start, end) if self.layer_kv_bytes[il]), default=0)
+        return 0
 
-    def memory_bytes(self, start: int, end: int, n_ctx: int, n_sessions: int, n_ubatch: int) -> int:
+    @functools.cached_property
+    def attention_masks(self) -> int:
+        """How many F32 KQ masks an attention layer's pass fills: one per cache, full context
+        and, when a layer has a window, the sliding window's (llama.cpp builds the inputs of
+        the whole model's caches). A stage of recurrent layers only reserves them too but
+        never fills them, so they take no resident memory there."""
+        if not self.layer_kv_bytes:
+            return 1
+        return 1 + any(self.layer_window)
+
+    def memory_bytes(self, start: int, end: int, n_ctx: int, n_sessions: int) -> int:
         """KV and recurrent state of layers [start, end) for N_SESSIONS sessions of N_CTX
-        tokens: a sliding-window layer keeps window + n_ubatch cells (at most the
-        context, then rounded up to SWA_PAD), a recurrent one a fixed state per session."""
+        tokens: an attention layer keeps the context's cells, a recurrent one a fixed state
+        per session."""
         if not self.layer_kv_bytes:
             return (end - start) * self.kv_bytes_per_cell * n_ctx * n_sessions
-        return n_sessions * sum(self.layer_kv_bytes[il] * self._cells(il, n_ctx, n_ubatch) + self.layer_state_bytes[il]
+        return n_sessions * sum(self.layer_kv_bytes[il] * n_ctx + self.layer_state_bytes[il]
                                 for il in range(start, end))
 
     @functools.cached_property
@@ -179,11 +187,12 @@ def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Setti
                overhead: int = OVERHEAD) -> int:
     """Bytes a stage [start, end) takes: weights, KV for every session's context, the
     engine's compute buffers and the process overhead."""
-    kv = cost.memory_bytes(start, end, settings.n_ctx, settings.n_sessions, settings.n_batch)
+    kv = cost.memory_bytes(start, end, settings.n_ctx, settings.n_sessions)
     # llama.cpp's graph for a full batch: each head's attention scores over one
-    # session's context and the FFN's activations dominate; the tail's logits for the
-    # batch share that buffer (the allocator reuses it), so the larger of the two counts
-    compute = 4 * settings.n_batch * (cost.n_head * cost.attended_cells(start, end, settings.n_ctx, settings.n_batch)
+    # session's context, the F32 masks over it and the FFN's activations dominate; the
+    # tail's logits for the batch share that buffer (the allocator reuses it), so the
+    # larger of the two counts
+    compute = 4 * settings.n_batch * ((cost.n_head + cost.attention_masks) * cost.attended_cells(start, end, settings.n_ctx)
                                       + cost.n_ff + 6 * cost.n_embd)
     if end == cost.n_layer:
         compute = max(compute, 4 * settings.n_batch * cost.n_vocab)

@@ -133,16 +133,26 @@ FAKE_HYBRID = dataclasses.replace(FAKE_MODEL, n_layer=4, layer_bytes=(MIB,) * 4,
 
 
 def test_each_layer_keeps_its_own_kind_of_memory():
-    # full context: n_ctx cells; the window: window + n_ubatch rounded up to 256, at most n_ctx
-    # rounded so; recurrent: its state, whatever the context; all of it per session
-    assert FAKE_HYBRID.memory_bytes(0, 1, 4096, 2, 512) == 2 * 1000 * 4096
-    assert FAKE_HYBRID.memory_bytes(1, 2, 4096, 2, 512) == 2 * 1000 * 768
-    assert FAKE_HYBRID.memory_bytes(1, 2, 300, 1, 512) == 1000 * 512
-    assert FAKE_HYBRID.memory_bytes(2, 3, 4096, 3, 512) == 3 * 5 * MIB
-    assert FAKE_HYBRID.memory_bytes(0, 4, 4096, 1, 512) == 1000 * (4096 + 768 + 4096) + 5 * MIB
+    # attention: n_ctx cells, a sliding-window layer too (the engine keeps the full-size
+    # window cache); recurrent: its state, whatever the context; all of it per session
+    assert FAKE_HYBRID.memory_bytes(0, 1, 4096, 2) == 2 * 1000 * 4096
+    assert FAKE_HYBRID.memory_bytes(1, 2, 4096, 2) == 2 * 1000 * 4096
+    assert FAKE_HYBRID.memory_bytes(2, 3, 4096, 3) == 3 * 5 * MIB
+    assert FAKE_HYBRID.memory_bytes(0, 4, 4096, 1) == 1000 * 3 * 4096 + 5 * MIB
     # without per-layer memory every layer counts as full-context attention
     uniform = dataclasses.replace(FAKE_HYBRID, layer_kv_bytes=(), layer_window=(), layer_state_bytes=())
-    assert uniform.memory_bytes(2, 3, 4096, 3, 512) == 3 * 1000 * 4096
+    assert uniform.memory_bytes(2, 3, 4096, 3) == 3 * 1000 * 4096
+
+
+def test_an_attention_stage_pays_for_the_masks_of_every_cache_of_the_model():
+    # the graph fills one F32 mask per cache of the model, whichever layers a stage holds:
+    # a second where a layer has a window; a recurrent stage fills none
+    settings = Settings(n_ctx=4096, n_sessions=1, n_batch=512)
+    no_window = dataclasses.replace(FAKE_HYBRID, layer_window=(0,) * 4)
+    mask = 4 * 512 * 4096
+    assert (FAKE_HYBRID.attention_masks, no_window.attention_masks) == (2, 1)
+    assert stage_need(FAKE_HYBRID, 3, 4, settings, overhead=0) - stage_need(no_window, 3, 4, settings, overhead=0) == mask
+    assert stage_need(FAKE_HYBRID, 2, 3, settings, overhead=0) == stage_need(no_window, 2, 3, settings, overhead=0)
 
 
 def test_the_per_layer_memory_crosses_the_wire_and_is_left_out_when_unknown():
