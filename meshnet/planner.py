@@ -102,10 +102,6 @@ class ModelCost:
         # (the per-layer memory only when known: an empty list is not n_layer long)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v != ()}
 
-    # Every attention layer's cache spans the context, a sliding-window one too: the engine
-    # keeps llama.cpp's full-size window cache (swa_full), so a session can be cut back to
-    # any position and replayed; a window saves no cell there.
-
     def attended_cells(self, start: int, end: int, n_ctx: int) -> int:
         """The KV cells one attention layer of [start, end) reads (the attention scores of a
         full batch are sized by it): 0 for a stage of recurrent layers only."""
@@ -125,8 +121,9 @@ class ModelCost:
 
     def memory_bytes(self, start: int, end: int, n_ctx: int, n_sessions: int) -> int:
         """KV and recurrent state of layers [start, end) for N_SESSIONS sessions of N_CTX
-        tokens: an attention layer keeps the context's cells, a recurrent one a fixed state
-        per session."""
+        tokens: an attention layer keeps the context's cells, a sliding-window one too (the
+        engine keeps llama.cpp's full-size window cache, swa_full, so a session can be cut
+        back anywhere), a recurrent one a fixed state per session."""
         if not self.layer_kv_bytes:
             return (end - start) * self.kv_bytes_per_cell * n_ctx * n_sessions
         return n_sessions * sum(self.layer_kv_bytes[il] * n_ctx + self.layer_state_bytes[il]
