@@ -9,9 +9,9 @@ from pathlib import Path
 
 import jsonschema
 
-from meshnet.bench import PROMPTS, format_report
-from meshnet.cluster import LocalCluster
-from meshnet.metrics import MetricsServer
+from meshnet.core.metrics import MetricsServer
+from meshnet.evidence.bench import PROMPTS, format_report
+from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS
 
@@ -20,7 +20,7 @@ SCHEMA = json.loads((ROOT / "evidence" / "manifest.schema.json").read_text())
 
 
 def meshnet(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True, timeout=600,
                           env=env)
 
 

@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from meshnet.gguf_layout import read_layout
+from meshnet.engine.gguf_layout import read_layout
 
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
 
@@ -163,7 +163,7 @@ def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(s
 
 
 def test_given_keys_are_used_and_only_the_missing_ones_made(tmp_path):
-    from meshnet import security
+    from meshnet.net import security
     security.generate(tmp_path, "coordinator")
     lines = dry_run("--host-a", "a@h", "--host-b", "b@h", "--keys", str(tmp_path), INSECURE="0")
     assert [shlex.split(line)[-1] for line in lines if " keys generate " in line] == ["worker-a", "worker-b"]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import zmq
 
-from meshnet import protocol as P
-from meshnet.cluster import LocalCluster
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.pipeline import LocalPipeline
+from meshnet.core.errors import MeshnetError
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net import protocol as P
 
 from conftest import THREADS
 from peers import KEY, FakeCoordinator, start_worker, wait_until
