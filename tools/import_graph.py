@@ -61,15 +61,15 @@ def graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
     return {name: imports_of(name, path, known) for name, path in found.items()}
 
 
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+def components(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components (Tarjan), a module alone being one of its own."""
     index, low, on_stack, stack, out = {}, {}, set(), [], []
 
     def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in edges[v]:
+        for w in sorted(edges[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -83,30 +83,46 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
                 component.append(w)
                 if w == v:
                     break
-            if len(component) > 1:
-                out.append(sorted(component))
+            out.append(sorted(component))
 
     sys.setrecursionlimit(10000)
-    for v in edges:
+    for v in sorted(edges):
         if v not in index:
             visit(v)
     return out
 
 
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other in a circle, one list per circle."""
+    return [c for c in components(edges) if len(c) > 1]
+
+
 def layers(edges: dict[str, set[str]]) -> int:
-    """The longest chain of imports, in modules (a cycle is counted once around)."""
-    depth: dict[str, int] = {}
+    """The longest chain of imports, in modules; a circle counts as one layer."""
+    owner = {v: i for i, c in enumerate(components(edges)) for v in c}
+    depth: dict[int, int] = {}
 
-    def walk(v, seen):
-        if v in depth:
-            return depth[v]
-        if v in seen:
-            return 0
-        seen = seen | {v}
-        depth[v] = 1 + max((walk(w, seen) for w in edges[v]), default=0)
-        return depth[v]
+    def walk(c: int, members: dict[int, list[str]]) -> int:
+        if c not in depth:
+            below = {owner[w] for v in members[c] for w in edges[v]} - {c}
+            depth[c] = 1 + max((walk(d, members) for d in below), default=0)
+        return depth[c]
 
-    return max((walk(v, frozenset()) for v in edges), default=0)
+    members: dict[int, list[str]] = {}
+    for v, c in owner.items():
+        members.setdefault(c, []).append(v)
+    return max((walk(c, members) for c in members), default=0)
+
+
+def package_graph(edges: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """Arrows between the package's subpackages (a module directly in the package is its own)."""
+    def owner(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else module
+    out: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        out.setdefault(owner(module), set()).update(owner(t) for t in targets if owner(t) != owner(module))
+    return out
 
 
 def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
@@ -132,6 +148,9 @@ def main() -> int:
     print(f"modules {len(found)} (packages {len(packages)})")
     print(f"import arrows {sum(len(v) for v in edges.values())}")
     print(f"import layers (longest chain) {layers(edges)}")
+    between = package_graph(edges, args.package)
+    print(f"between packages: arrows {sum(len(v) for v in between.values())}, layers {layers(between)}, "
+          f"cycles {len(cycles(between))}")
     found_cycles = cycles(edges)
     print(f"cycles {len(found_cycles)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found_cycles))
     print(f"largest module {sizes[0][1]} ({sizes[0][0]} lines)")
