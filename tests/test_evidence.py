@@ -10,7 +10,8 @@ from pathlib import Path
 import jsonschema
 
 from meshnet.core.metrics import MetricsServer
-from meshnet.evidence.bench import PROMPTS, format_report
+from meshnet.evidence.bench import format_report
+from meshnet.evidence.prompts import PROSE
 from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS
@@ -80,7 +81,7 @@ def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys():
     assert set(configs) == {"whole", "stages", "workers", "plain"}
     assert report["keys_over_plain_decode_tok_s"] > 0   # keyed and plain workers, side by side in one run
     for entry in configs.values():
-        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROMPTS)
+        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROSE)
         assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
     assert configs["whole"]["decode_tok_s_ratio"] == 1.0
     assert configs["workers"]["hop_us_p50"]["median"] > 0

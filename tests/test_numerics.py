@@ -155,18 +155,18 @@ def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_sa
                                                                                   qwen_path):
     # stock: the pin's default build; invariant: the pin without llamafile, repacking and
     # the tiled matmul (meshnet/evidence/reference.py). 8 prompts x 32 greedy tokens through 2 workers.
-    from meshnet.evidence import reference
+    from meshnet.evidence import prompts, reference
     from meshnet.launch.local_cluster import LocalCluster
 
     path = smollm2_path if model == "smollm2" else qwen_path
     n_tokens = 32
-    expected = reference.greedy(path, reference.PROMPTS, n_tokens, numerics, threads=THREADS)
+    expected = reference.greedy(path, prompts.CLASS_CHECK, n_tokens, numerics, threads=THREADS)
     ranges = read_layout(path).balanced_ranges(2)
     with LocalCluster(path, ranges, threads=THREADS, n_ctx=512, max_sessions=1, numerics=numerics) as cluster:
         coordinator = cluster.coordinator
         assert {w["numerics"] for w in coordinator.workers_snapshot()} == {numerics}
         parted = []
-        for prompt, (ref_prompt, ref_tokens) in zip(reference.PROMPTS, expected):
+        for prompt, (ref_prompt, ref_tokens) in zip(prompts.CLASS_CHECK, expected):
             tokens = coordinator.tokenize(prompt)
             assert tokens == ref_prompt
             got = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600).tokens

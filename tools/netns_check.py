@@ -30,14 +30,10 @@ from meshnet.core.layers import LayerRange
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
+from meshnet.evidence.prompts import SHORT
 from meshnet.route.coordinator import Coordinator
 
-PROMPTS = [
-    "The old lighthouse keeper climbed the stairs every night, and",
-    "A recipe for bread needs flour, water, salt and",
-    "In 1969 the first astronauts landed on the Moon, and",
-    "The three laws of thermodynamics say that",
-]
+PROMPTS = SHORT
 PINGS = 20
 
 

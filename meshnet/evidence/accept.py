@@ -31,17 +31,12 @@ from meshnet.engine.binding import engine_pin
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence import reference as stock_reference
+from meshnet.evidence.prompts import CLASS_CHECK, SHORT
 from meshnet.launch.local_cluster import LocalCluster, start_auto_worker
 from meshnet.route.coordinator import Coordinator
 
 SCHEMA_VERSION = 1
 N_TOKENS = 32
-PROMPTS = [
-    "The old lighthouse keeper climbed the stairs every night, and",
-    "A recipe for bread needs flour, water, salt and",
-    "In 1969 the first astronauts landed on the Moon, and",
-    "The three laws of thermodynamics say that",
-]
 STAGE_LOST_BOUND_S = 3.0
 AUTO_CTX, AUTO_SESSIONS = 1024, 4    # what the --layers auto workers keep KV for
 CHECK_NAMES = ("whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup",
@@ -144,7 +139,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
     numerics = numerics or numerics_classes.DEFAULT
     with LocalPipeline(path, [(0, layout.n_layer)], n_ctx=1024, max_sessions=1, n_threads=threads,
                        numerics=numerics) as whole:
-        for prompt in PROMPTS:
+        for prompt in SHORT:
             tokens = whole.head.tokenize(prompt)
             reference[prompt] = (tokens, whole.generate(tokens, N_TOKENS, keep_logits=True, stop_at_eog=False))
 
@@ -159,7 +154,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
         coordinator = cluster.coordinator
 
         def parity():
-            tokens, expected = reference[PROMPTS[0]]
+            tokens, expected = reference[SHORT[0]]
             got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False, want_logits=True).result()
             diff = _max_diff(got.logits, expected.logits)
             metrics["session"] = got.metrics
@@ -168,20 +163,20 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
                 "tokens": got.tokens, "whole_model_tokens": expected.tokens}
 
         def greedy_decode():
-            tokens, expected = reference[PROMPTS[1]]
+            tokens, expected = reference[SHORT[1]]
             got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False).result()
             return len(got.tokens) == N_TOKENS and got.tokens == expected.tokens, {
                 "generated": len(got.tokens), "decode_tok_s": got.metrics["decode_tok_s"],
                 "text": coordinator.detokenize(got.tokens)}
 
         def isolation():
-            sessions = [coordinator.generate(reference[p][0], N_TOKENS, stop_at_eog=False) for p in PROMPTS]
-            same = [s.result().tokens == reference[p][1].tokens for p, s in zip(PROMPTS, sessions)]
-            return all(same), {"sessions": len(PROMPTS), "each_equals_alone": same}
+            sessions = [coordinator.generate(reference[p][0], N_TOKENS, stop_at_eog=False) for p in SHORT]
+            same = [s.result().tokens == reference[p][1].tokens for p, s in zip(SHORT, sessions)]
+            return all(same), {"sessions": len(SHORT), "each_equals_alone": same}
 
         def cancellation():
-            keep = coordinator.generate(reference[PROMPTS[2]][0], N_TOKENS, stop_at_eog=False)
-            victim = coordinator.generate(reference[PROMPTS[3]][0], 500, stop_at_eog=False)
+            keep = coordinator.generate(reference[SHORT[2]][0], N_TOKENS, stop_at_eog=False)
+            victim = coordinator.generate(reference[SHORT[3]][0], 500, stop_at_eog=False)
             for i, _ in enumerate(victim):
                 if i == 3:
                     break
@@ -193,7 +188,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
             except MeshnetError as e:
                 code = e.code
             cancel_ms = (time.monotonic() - t0) * 1000
-            other_ok = keep.result().tokens == reference[PROMPTS[2]][1].tokens
+            other_ok = keep.result().tokens == reference[SHORT[2]][1].tokens
             return code == errors.CANCELLED and other_ok, {"error_code": code, "ms_to_cancelled": cancel_ms,
                                                       "other_session_unchanged": other_ok}
 
@@ -209,7 +204,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
 
         def kill_worker():
             victim_range = ranges[-1]
-            session = coordinator.generate(reference[PROMPTS[0]][0], 500, stop_at_eog=False)
+            session = coordinator.generate(reference[SHORT[0]][0], 500, stop_at_eog=False)
             next(iter(session))
             os.kill(cluster.processes[victim_range.as_tuple()].pid, signal.SIGKILL)
             t0 = time.monotonic()
@@ -223,8 +218,8 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
                 error.get("stage") == victim_range.label and "elapsed_ms" in error
             cluster.spawn_worker(victim_range)
             coordinator.wait_for_route(60, n_stages=len(ranges))
-            again = coordinator.generate(reference[PROMPTS[1]][0], N_TOKENS, stop_at_eog=False).result()
-            recovered = again.tokens == reference[PROMPTS[1]][1].tokens
+            again = coordinator.generate(reference[SHORT[1]][0], N_TOKENS, stop_at_eog=False).result()
+            recovered = again.tokens == reference[SHORT[1]][1].tokens
             return structured and seconds <= STAGE_LOST_BOUND_S and recovered, {
                 "error": error, "seconds_to_error": seconds, "bound_seconds": STAGE_LOST_BOUND_S,
                 "new_session_after_replacement_ok": recovered}
@@ -332,7 +327,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
         formed = wait(lambda: route_now() == [r.label for r in planned] and coordinator.route_report()["standby"], 90)
         if not formed:
             return False, {"route_report": coordinator.route_report()}
-        tokens, expected = reference[PROMPTS[0]]
+        tokens, expected = reference[SHORT[0]]
         got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False, want_logits=True).result(120)
         pids = {tuple(w["layers"]): w["pid"] for w in coordinator.workers_snapshot() if "layers" in w}
         rss = {LayerRange(*k).label: _rss_bytes(pid) for k, pid in pids.items()}
@@ -351,7 +346,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
         whole_again = wait(lambda: not coordinator.route_report()["standby"]
                            and route_now() == [r.label for r in planned], 60)
         seconds = time.monotonic() - t0
-        tokens, expected = reference[PROMPTS[1]]
+        tokens, expected = reference[SHORT[1]]
         got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False).result(120)
         return whole_again and got.tokens == expected.tokens, {
             "killed": report["route"][-1], "seconds_to_route_whole_again": seconds,
@@ -382,10 +377,10 @@ def _stock_reference_check(checks: Checks, path, ranges, numerics_class: str, th
     n_tokens = 32
 
     def agreement():
-        expected = stock_reference.greedy(path, stock_reference.PROMPTS, n_tokens, numerics_class, threads=threads)
+        expected = stock_reference.greedy(path, CLASS_CHECK, n_tokens, numerics_class, threads=threads)
         with LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1, numerics=numerics_class) as cluster:
             per_prompt = []
-            for prompt, (ref_prompt, ref_tokens) in zip(stock_reference.PROMPTS, expected):
+            for prompt, (ref_prompt, ref_tokens) in zip(CLASS_CHECK, expected):
                 tokens = cluster.coordinator.tokenize(prompt)
                 got = cluster.coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600)
                 per_prompt.append({"prompt": prompt[:40], "prompt_tokens": len(tokens),
@@ -401,7 +396,7 @@ def _stock_reference_check(checks: Checks, path, ranges, numerics_class: str, th
     checks.run(f"stock_llama_cpp_{numerics_class}",
                f"--numerics {numerics_class}, 2 worker processes: greedy tokens equal "
                f"{'stock llama.cpp' if numerics_class == 'stock' else 'stock llama.cpp built with the class kernels'} "
-               f"on {len(stock_reference.PROMPTS)} prompts x {n_tokens} tokens", agreement)
+               f"on {len(CLASS_CHECK)} prompts x {n_tokens} tokens", agreement)
 
 
 def _refused_alone(cost: ModelCost, mem: int, settings: Settings) -> dict:

@@ -19,19 +19,9 @@ from meshnet.core.metrics import rss_bytes
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline, Request
+from meshnet.evidence.prompts import PROSE
 from meshnet.launch.local_cluster import LocalCluster
 
-PROMPTS = [
-    "In the far north, where the winters last for most of the year, a small village of fishermen kept an old "
-    "tradition: every evening, one of them would climb the hill and light a fire so that the boats could find "
-    "their way home.",
-    "The history of mathematics begins with counting. Long before writing, people kept tallies on bones and "
-    "sticks, and the first numbers were simply marks, one for each sheep or each day.",
-    "A good recipe for bread needs only four things: flour, water, salt and yeast. The baker's skill lies in "
-    "time and temperature, and in knowing when the dough is ready.",
-    "The river rose slowly all through the night, and by morning the low fields along its banks had become a "
-    "single grey lake, with only the tops of the fences showing where the roads had been.",
-]
 # workers: local worker processes as meshnet run starts them, with fresh CURVE keys;
 # plain: the same without keys (--insecure), to measure what the keys cost
 CONFIGS = ("whole", "stages", "workers", "plain")
@@ -127,7 +117,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             samples[label] = Samples(f"{n_stages} {what}")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
         prompt_tokens = [tokenizer.tokenize(p) if tokenizer else next(iter(clusters.values())).coordinator.tokenize(p)
-                         for p in PROMPTS]
+                         for p in PROSE]
         batch = [prompt_tokens[i % len(prompt_tokens)] for i in range(sessions)]
         for label, run in runners.items():  # warm-up: first-touch allocations and caches
             run(prompt_tokens[0][:16])
@@ -151,7 +141,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             close()
 
     report = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
-              "prompts": len(PROMPTS), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
+              "prompts": len(PROSE), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
               "n_embd": layout.n_embd, "numerics": list(numerics), "configs": {}}
     base = samples.get("whole")
     for label, s in samples.items():

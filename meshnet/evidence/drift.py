@@ -104,14 +104,14 @@ def measure_route(cluster, model_path: str | Path, n_tokens: int, n_threads: int
     model (on the CPU, in this process) teacher-forced with the route's tokens. Each prompt
     runs twice on the route: once for its logits, once without them for the decode rate.
     Raises what the route raises when it cannot form (a mixed one without allow_mixed)."""
-    from meshnet.evidence.bench import PROMPTS
+    from meshnet.evidence.prompts import PROSE
 
     meter = DriftMeter(model_path, n_ctx=1024, n_threads=n_threads)
     try:
         with cluster:
             coordinator = cluster.coordinator
             prompts = []
-            for prompt in PROMPTS:
+            for prompt in PROSE:
                 tokens = coordinator.tokenize(prompt)
                 timed = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600)
                 run = coordinator.generate(tokens, n_tokens, want_logits=True, stop_at_eog=False).result(600)

@@ -22,25 +22,6 @@ from meshnet.core.errors import MeshnetError
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "build" / "reference"
 
-# The prompts a class is checked on: prose and code, two of them longer than the
-# coordinator's 64-token prompt chunk, so that the stock class's one-batch prefill counts.
-PROMPTS = [
-    "The capital of France is",
-    "In the far north, where the winters last for most of the year, a small village of fishermen kept an old "
-    "tradition: every evening, one of them would climb the hill and light a fire so that the boats could find "
-    "their way home. The fire was built of driftwood and dry heather, and it burned until the last boat had "
-    "come in. One winter the fire went out, and on that night",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, counting from zero.\"\"\"\n",
-    "Q: What is the boiling point of water at sea level, in degrees Celsius?\nA:",
-    "SELECT name, email FROM users WHERE created_at > '2024-01-01' AND",
-    "The history of mathematics begins with counting. Long before writing, people kept tallies on bones and "
-    "sticks, and the first numbers were simply marks, one for each sheep or each day. Later, in Mesopotamia and "
-    "Egypt, scribes needed to measure fields, divide harvests and predict the floods of the rivers. They wrote "
-    "their numbers on clay tablets and on papyrus, and some of those tablets survive today, and so",
-    "import numpy as np\nimport pandas as pd\n\n# load the measurements and",
-    "My grandmother's recipe for bread needs only four things:",
-]
-
 
 def program(numerics: str) -> Path:
     if numerics not in numerics_classes.CHOICES:
