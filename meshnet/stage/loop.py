@@ -12,6 +12,7 @@ through a job queue, woken by an inproc pair that also carries the replies back.
 from __future__ import annotations
 
 import collections
+import enum
 import math
 import os
 import threading
@@ -40,9 +41,31 @@ SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first 
 MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
 
 
+class JobKind(enum.Enum):
+    """What the socket loop asks of the stage loop; the value names it on the pair between them."""
+    OPEN = "open"
+    RELEASE = "release"
+    CANCEL = "cancel"
+    RELEASE_ALL = "release_all"   # the worker's own, when its coordinator is gone
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    TEMPLATE = "template"
+
+    @property
+    def queue(self) -> str | None:
+        """The bounded queue a job of this kind waits in (None: the worker's own, unbounded)."""
+        if self is JobKind.RELEASE_ALL:
+            return None
+        return "text" if self in (JobKind.TOKENIZE, JobKind.DETOKENIZE, JobKind.TEMPLATE) else "control"
+
+
+# the pair's kind frame of a session's failure, which no job asked for
+SESSION_FAILED = b"session"
+
+
 @dataclass
 class Job:
-    kind: str                  # the StageLoop method that runs it: open, release, cancel, tokenize, ...
+    kind: JobKind
     rid: int
     epoch: int                 # which coordinator connection asked; replies to old ones are dropped
     sid: int | None = None
@@ -104,6 +127,10 @@ class StageLoop(threading.Thread):
         self.cpu = cpu
         self.curve = curve
         self.jobs: collections.deque[Job | None] = collections.deque()
+        self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
+                          JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
+                          JobKind.TOKENIZE: self._do_tokenize, JobKind.DETOKENIZE: self._do_detokenize,
+                          JobKind.TEMPLATE: self._do_template}
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.connect(control_endpoint)
         self.data = sockets.data_pull(ctx, max_frame=2 * (max_payload + P.MAX_HEADER_BYTES))
@@ -182,7 +209,7 @@ class StageLoop(threading.Thread):
             if job is None:
                 return False
             try:
-                getattr(self, "_do_" + job.kind)(job)
+                self._handlers[job.kind](job)
             except MeshnetError as e:
                 self._error_reply(job, e)
             except Exception as e:  # a bug must not kill the worker: report it and go on
@@ -239,7 +266,7 @@ class StageLoop(threading.Thread):
         # a HEALTH that comes after this reply must see what the job did (a session opened)
         self._refresh_stats()
         # the socket loop needs to know which connection asked and which bound frees up
-        self.pair.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.encode(), *frames], copy=False)
+        self.pair.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.value.encode(), *frames], copy=False)
 
     def _error_reply(self, job: Job, error: MeshnetError) -> None:
         self.errors[error.code] += 1
@@ -334,7 +361,7 @@ class StageLoop(threading.Thread):
     def _session_failed(self, session: StageSession, error: MeshnetError) -> None:
         """Tell the coordinator, which ends the session everywhere; the stage goes on."""
         self.errors[error.code] += 1
-        self.pair.send_multipart([self.epoch.to_bytes(8, "little"), b"session",
+        self.pair.send_multipart([self.epoch.to_bytes(8, "little"), SESSION_FAILED,
                                   *P.error_frames(0, error.code, error.message, sid=session.sid,
                                                   stage=f"[{self.info.layer_start},{self.info.layer_end})")])
 

@@ -38,7 +38,7 @@ from meshnet.net import protocol as P
 from meshnet.net import security, sockets
 from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, Wakefulness
 from meshnet.net.security import Gatekeeper, KeyPair
-from meshnet.stage.loop import DataCurve, Job, StageLoop
+from meshnet.stage.loop import SESSION_FAILED, DataCurve, Job, JobKind, StageLoop
 
 log = logging.getLogger("meshnet.stage.worker")
 
@@ -81,9 +81,6 @@ class WorkerConfig:
 
 
 # which bound each stage-loop job counts against (see StageWorker._queue)
-QUEUE_OF = {"tokenize": "text", "detokenize": "text", "template": "text"}
-
-
 def reachable(endpoint: str, coordinator: str) -> str:
     """A coordinator bound to every interface advertises a wildcard host for its data
     endpoint: reach it on the host its control socket was reached on."""
@@ -313,7 +310,7 @@ class StageWorker:
 
     def _coordinator_lost(self) -> None:
         """Its sessions are over: free them and drop the replies still owed to it."""
-        self._submit(Job("release_all", 0, self.epoch))
+        self._submit(Job(JobKind.RELEASE_ALL, 0, self.epoch))
         self.holds_sessions = False
         self.epoch += 1
         if self.loop is not None:
@@ -372,9 +369,10 @@ class StageWorker:
         self.loop.submit(job)
         self.results.send(b"", flags=zmq.NOBLOCK)   # wake the stage loop
 
-    def _queue(self, queue_kind: str, job: Job) -> None:
+    def _queue(self, job: Job) -> None:
         """Hand a job to the stage loop, or refuse it with `busy` when its kind's bound
         is reached: no kind of request can grow the worker's memory without end."""
+        queue_kind = job.kind.queue
         if self.queued[queue_kind] >= self.queue_limits[queue_kind]:
             raise MeshnetError(E.BUSY, f"{self.queued[queue_kind]} {queue_kind} requests are already waiting; "
                                "try again later")
@@ -455,25 +453,25 @@ class StageWorker:
         if msg.type == P.OPEN:
             msg.fields["reply"] = reachable(msg["reply"], self.config.coordinator)
             self.holds_sessions = True
-        self._queue("control", Job(msg.type, msg.rid, self.epoch, sid=msg["sid"], msg=msg))
+        self._queue(Job(JobKind(msg.type), msg.rid, self.epoch, sid=msg["sid"], msg=msg))
 
     def _cancel(self, msg: P.Message) -> None:
         self._stage_loop()
         sid = msg["sid"]
-        self._queue("control", Job("cancel", msg.rid, self.epoch, sid=sid))
+        self._queue(Job(JobKind.CANCEL, msg.rid, self.epoch, sid=sid))
         self.loop.cancel(sid)  # after the job is queued: its job is what forgets the cancel again
 
     def _tokenize(self, msg: P.Message) -> None:
         self._stage_loop()
-        self._queue("text", Job("tokenize", msg.rid, self.epoch, msg=msg))
+        self._queue(Job(JobKind.TOKENIZE, msg.rid, self.epoch, msg=msg))
 
     def _detokenize(self, msg: P.Message) -> None:
         self._stage_loop()
-        self._queue("text", Job("detokenize", msg.rid, self.epoch, msg=msg))
+        self._queue(Job(JobKind.DETOKENIZE, msg.rid, self.epoch, msg=msg))
 
     def _template(self, msg: P.Message) -> None:
         self._stage_loop()
-        self._queue("text", Job("template", msg.rid, self.epoch, msg=msg))
+        self._queue(Job(JobKind.TEMPLATE, msg.rid, self.epoch, msg=msg))
 
     def _shutdown(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid))
@@ -481,9 +479,10 @@ class StageWorker:
 
     def _relay_result(self) -> None:
         epoch_frame, kind_frame, *frames = self.results.recv_multipart()
-        kind = kind_frame.decode()
-        if kind not in ("release_all", "session"):  # the worker's own jobs and a session's failure: no bound
-            self.queued[QUEUE_OF.get(kind, "control")] -= 1
+        # a session's failure and the worker's own jobs were in no bounded queue
+        queue_kind = None if kind_frame == SESSION_FAILED else JobKind(kind_frame.decode()).queue
+        if queue_kind is not None:
+            self.queued[queue_kind] -= 1
         if int.from_bytes(epoch_frame, "little") == self.epoch:
             self._send(frames)
 
@@ -537,7 +536,7 @@ class StageWorker:
         return self._stop()
 
     def _stop(self) -> int:
-        self._submit(Job("release_all", 0, self.epoch))
+        self._submit(Job(JobKind.RELEASE_ALL, 0, self.epoch))
         self._submit(None)
         if self.loop is not None:
             self.loop.join(timeout=30)
