@@ -29,27 +29,8 @@ DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
 ABI_VERSION = 8
 
-# meshnet_status values, as the codes every layer of meshnet uses
-STATUS_CODES = {
-    1: errors.INVALID_ARGUMENT,
-    2: errors.NOT_GGUF,
-    3: errors.MODEL_LOAD,
-    4: errors.UNSUPPORTED_ARCH,
-    5: errors.BAD_RANGE,
-    6: errors.BAD_TOKEN,
-    7: errors.BAD_WIDTH,
-    8: errors.CONTEXT_FULL,
-    9: errors.UNKNOWN_SESSION,
-    10: errors.TOO_MANY_SESSIONS,
-    11: errors.ABORTED,
-    12: errors.DECODE_FAILED,
-    13: errors.BUFFER_TOO_SMALL,
-    14: errors.INTERNAL,
-    15: errors.BAD_PAYLOAD,   # a residual or logit that is not finite (or too large to be real)
-    16: errors.NO_CHAT_TEMPLATE,
-    17: errors.NO_GPU,
-    18: errors.CANNOT_ROLL_BACK,
-}
+# meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
+STATUS_CODES = errors.BY_ENGINE_STATUS
 
 
 def _cdef_from_header(text: str) -> str:

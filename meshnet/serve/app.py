@@ -53,10 +53,6 @@ DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a lo
 # be refused as context_full), and keeps what one request may make the server hold small.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
-STATUS = {errors.TOO_MANY_SESSIONS: 429, errors.BUSY: 429, errors.ROUTE_INCOMPLETE: 503, errors.STAGE_LOST: 503,
-          errors.SHUTTING_DOWN: 503, errors.HOP_UNREACHABLE: 503, errors.DEADLINE_EXCEEDED: 503, errors.TIMEOUT: 503,
-          errors.UNREACHABLE: 503, errors.CONTEXT_FULL: 400, errors.INVALID_ARGUMENT: 400,
-          errors.NO_CHAT_TEMPLATE: 400, errors.BAD_TOKEN: 400}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -87,7 +83,7 @@ class ApiError(Exception):
 
     @classmethod
     def of(cls, error: MeshnetError) -> "ApiError":
-        return cls(STATUS.get(error.code, 500), error.message, code=error.code, param=error.context.get("field"))
+        return cls(errors.http_status(error.code), error.message, code=error.code, param=error.context.get("field"))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
