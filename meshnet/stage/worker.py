@@ -80,7 +80,6 @@ class WorkerConfig:
         return self.numerics or numerics_classes.default_for(self.gpu)
 
 
-# which bound each stage-loop job counts against (see StageWorker._queue)
 def reachable(endpoint: str, coordinator: str) -> str:
     """A coordinator bound to every interface advertises a wildcard host for its data
     endpoint: reach it on the host its control socket was reached on."""
