@@ -252,3 +252,34 @@ def whole_model_tokens(path, prompt: str, n_tokens: int, n_ctx: int = 1024):
     with LocalPipeline(path, [(0, read_layout(path).n_layer)], n_ctx=n_ctx, max_sessions=1, n_threads=THREADS) as whole:
         tokens = whole.head.tokenize(prompt)
         return tokens, whole.generate(tokens, n_tokens, stop_at_eog=False).tokens
+
+
+# The unit layer's promise, held while each test of tests/unit runs: no socket, no thread,
+# no ZeroMQ, no engine library. A unit test that reaches for one fails, naming it; such a
+# test belongs beside the engine and the processes. (Here, not in a conftest of its own:
+# two conftest modules would both be `conftest` to the tests that import its helpers.)
+UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit")
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"a unit test opened {what}: move it out of tests/unit")
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def pure_logic_only_in_unit_tests(request, monkeypatch):
+    if not str(request.node.path).startswith(UNIT_DIR + os.sep):
+        yield
+        return
+    import socket
+
+    import zmq
+
+    from meshnet.engine import binding
+
+    monkeypatch.setattr(socket, "socket", _refuse("a socket"))
+    monkeypatch.setattr(zmq, "Context", _refuse("a ZeroMQ context"))
+    monkeypatch.setattr(threading.Thread, "start", _refuse("a thread"))
+    monkeypatch.setattr(binding, "library", _refuse("the engine library"))
+    yield

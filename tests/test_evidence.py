@@ -9,10 +9,10 @@ from pathlib import Path
 
 import jsonschema
 
-from meshnet.core.metrics import MetricsServer
 from meshnet.evidence.bench import format_report
 from meshnet.evidence.prompts import PROSE
 from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net.metrics_server import MetricsServer
 
 from conftest import THREADS
 

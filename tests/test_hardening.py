@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from meshnet.core.errors import MeshnetError
-from meshnet.core.metrics import MetricsServer, rss_bytes
+from meshnet.core.metrics import rss_bytes
 from meshnet.engine.binding import Entry, Stage
 from meshnet.launch.local_cluster import LocalCluster, children_of
 from meshnet.net import protocol as P
+from meshnet.net.metrics_server import MetricsServer
 from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS, whole_model_tokens

@@ -9,10 +9,11 @@ import pytest
 from meshnet.core.conversation import prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
-from meshnet.core.metrics import MetricsServer, rss_bytes
+from meshnet.core.metrics import rss_bytes
 from meshnet.core.planner import ModelCost, Node, plan
 from meshnet.launch.local_cluster import LocalCluster
 from meshnet.net import protocol as P
+from meshnet.net.metrics_server import MetricsServer
 from meshnet.route.coordinator import Coordinator
 from meshnet.route.tracker import StageOffer, build_route, CompatClass
 

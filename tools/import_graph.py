@@ -132,7 +132,8 @@ def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
             if length > limit:
-                out.append((f"{path.name}:{node.lineno} {node.name}", length))
+                out.append((f"{path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path}:{node.lineno} "
+                            f"{node.name}", length))
     return out
 
 

@@ -234,7 +234,7 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, ch
     with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads, numerics=numerics) as pipe:
         if chat_message is None:
             prompt_tokens = pipe.head.tokenize(prompt)
-        else:   # as the workers' head does it (meshnet/cli/chat.py prompt_tokens)
+        else:   # as the workers' head does it (meshnet/core/conversation.py prompt_tokens)
             text = pipe.head.chat_template([{"role": "user", "content": chat_message}])
             prompt_tokens = pipe.head.tokenize(text, add_special=True, parse_special=True)
         _check_context(len(prompt_tokens), max_tokens, n_ctx)
@@ -419,10 +419,10 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
     import time
 
-    from meshnet.core.metrics import MetricsServer
     from meshnet.core.text import utf8_or_error
     from meshnet.evidence.drift import DriftMeter
     from meshnet.net import security
+    from meshnet.net.metrics_server import MetricsServer
     from meshnet.route.coordinator import Coordinator
 
     if allow_mixed and reference is None:

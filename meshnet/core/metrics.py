@@ -1,13 +1,10 @@
-"""Numbers measured where they happen, and the two ways out: a JSON snapshot and
-Prometheus text on an opt-in HTTP port (loopback unless told otherwise)."""
+"""Numbers measured where they happen, and their two shapes: a JSON snapshot and
+Prometheus text (net/metrics_server.py serves both on an opt-in HTTP port)."""
 
 from __future__ import annotations
 
-import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
@@ -97,35 +94,3 @@ def prometheus_text(snapshot: dict) -> str:
     metric("resume_ms", "gauge", "from a stage's loss to the session's next token",
            [({"quantile": "0.5"}, resumes.get("ms_p50")), ({"quantile": "0.99"}, resumes.get("ms_p99"))])
     return "\n".join(lines) + "\n"
-
-
-class MetricsServer:
-    """GET /metrics: Prometheus text; GET /status: the JSON snapshot."""
-
-    def __init__(self, snapshot: Callable[[], dict], port: int, host: str = "127.0.0.1"):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                if self.path.startswith("/metrics"):
-                    body, kind = prometheus_text(snapshot()).encode(), "text/plain; version=0.0.4"
-                elif self.path.startswith("/status"):
-                    body, kind = json.dumps(snapshot()).encode(), "application/json"
-                else:
-                    self.send_error(404, "try /metrics or /status")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="meshnet-metrics", daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()

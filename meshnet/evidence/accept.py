@@ -373,7 +373,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
 
 def _stock_reference_check(checks: Checks, path, ranges, numerics_class: str, threads: int, commands: list) -> None:
     """The class's greedy tokens through 2 worker processes against stock llama.cpp built
-    as the class says (meshnet/evidence/reference.py), on reference.PROMPTS."""
+    as the class says (meshnet/evidence/reference.py), on prompts.CLASS_CHECK."""
     n_tokens = 32
 
     def agreement():

@@ -7,9 +7,11 @@ and a worker is made here, with the same high-water marks, linger and frame cap.
   before allocating the frame (between the valid size and the cap the peer gets an
   `oversized` error), and a message's frame count and total size are bounded where it is
   read (protocol.recv_frames).
-- The control plane carries small messages (heartbeats, requests, replies) in bursts as
-  sessions open: its high-water mark is generous. The data plane carries residuals of up
-  to a full batch, which are large: its mark bounds the memory queued for a slow peer.
+- Every send of the data plane is NOBLOCK, and a send at the high-water mark fails the
+  session (hop_unreachable): the mark must stand above any backlog a working route
+  builds (a tail's tokens while the coordinator is busy, a stage's queued residuals), so
+  both planes take the coordinator's 10,000 messages; the worker's sockets had 1,000.
+  Only a peer that floods reaches it, and the frame cap bounds what each message holds.
 - CURVE (security.serve / security.client) goes on before a socket binds or connects, so
   the caller applies it between making the socket and using it.
 """
@@ -20,8 +22,7 @@ import zmq
 
 from meshnet.net.heartbeat import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
 
-CONTROL_HWM = 10_000   # messages queued each way on a control socket
-DATA_HWM = 1000        # messages queued on a data socket
+HWM = 10_000   # messages queued each way on any socket
 
 
 def control_router(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
@@ -29,8 +30,8 @@ def control_router(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unroutable send raises, never vanishes
     _common(sock, max_frame)
-    sock.setsockopt(zmq.SNDHWM, CONTROL_HWM)
-    sock.setsockopt(zmq.RCVHWM, CONTROL_HWM)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
     return sock
 
 
@@ -43,8 +44,8 @@ def control_dealer(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    sock.setsockopt(zmq.SNDHWM, CONTROL_HWM)
-    sock.setsockopt(zmq.RCVHWM, CONTROL_HWM)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
     return sock
 
 
@@ -52,7 +53,7 @@ def data_pull(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
     """Where a stage (or the coordinator) takes the data plane's messages in."""
     sock = ctx.socket(zmq.PULL)
     _common(sock, max_frame)
-    sock.setsockopt(zmq.RCVHWM, DATA_HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
     return sock
 
 
@@ -61,7 +62,7 @@ def data_push(ctx: zmq.Context) -> zmq.Socket:
     prompt chunks to a head."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, DATA_HWM)
+    sock.setsockopt(zmq.SNDHWM, HWM)
     return sock
 
 
