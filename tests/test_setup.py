@@ -41,7 +41,7 @@ def test_make_uses_an_active_virtual_environment_as_it_is(tmp_path):
 
 
 def test_make_test_and_make_run_use_the_venv():
-    assert ".venv/bin/python -m pytest -q tests" in make_dry_run("test")
+    assert any(line.endswith(".venv/bin/python -m pytest -q tests") for line in make_dry_run("test"))
     assert any(line.strip() == ".venv/bin/meshnet run" for line in make_dry_run("run"))
 
 

@@ -196,10 +196,24 @@ def fake_ssh(tmp_path):
     return str(ssh)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(width: int = 1) -> int:
+    """A port P with P .. P+WIDTH-1 free now: both workers on one address take the data
+    port and the one after it (two-host.sh), and the one after a random free port may be
+    any other socket's."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            others = [socket.socket() for _ in range(width - 1)]
+            try:
+                for offset, other in enumerate(others, 1):
+                    other.bind(("127.0.0.1", port + offset))
+                return port
+            except OSError:
+                continue
+            finally:
+                for other in others:
+                    other.close()
 
 
 def hosts(tmp_path, **flags):
@@ -214,7 +228,7 @@ def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_repor
                                                                                                         smollm2_path):
     local = tmp_path / "here"
     local.mkdir()
-    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12, wait=ROUTE_WAIT_S),
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(width=2), max_tokens=12, wait=ROUTE_WAIT_S),
                       SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), timeout=RUN_BOUND_S, logs=tmp_path)
     assert result.returncode == 0, result.stderr
     # (two_host has checked that no process of the run is left, on either "host")
