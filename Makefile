@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda reference test-models python model test run check-patches clean distclean
+.PHONY: all engine engine-cuda reference test-models python model test test-unit run check-patches clean distclean
 
 all: engine python model
 
@@ -78,7 +78,8 @@ $(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt
 	cmake -S engine_c -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
 	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(BUILD)) \
 	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
-	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) > $(CMAKE_DIR).log
+	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) \
+	    -DMESHNET_TEST_MODEL=$(abspath $(TEST_MODELS_DIR))/models/llama-dense.gguf > $(CMAKE_DIR).log
 	touch $@
 
 engine: $(CMAKE_DIR)/.configured
@@ -143,12 +144,19 @@ $(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)
 python: $(VENV)/.meshnet-installed
 
 model: python
-	$(VENV_PYTHON) -m meshnet.models ensure smollm2
+	$(VENV_PYTHON) -m meshnet.engine.models ensure smollm2
 
 test: all reference test-models
-	$(VENV_PYTHON) -m meshnet.models ensure qwen2.5-coder-1.5b
-	$(VENV_PYTHON) -m meshnet.models ensure gemma3-270m
-	$(VENV_PYTHON) -m pytest -q tests
+	$(VENV_PYTHON) -m meshnet.engine.models ensure qwen2.5-coder-1.5b
+	$(VENV_PYTHON) -m meshnet.engine.models ensure gemma3-270m
+	$(VENV_PYTHON) -m compileall -q meshnet tests tools
+	cmake --build $(CMAKE_DIR) --target meshnet_abi_test -j $(JOBS)
+	ctest --test-dir $(CMAKE_DIR) --output-on-failure
+	MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 $(VENV_PYTHON) -m pytest -q tests
+
+# the pure logic alone: no model, no engine library, no socket, no thread (seconds)
+test-unit: python
+	$(VENV_PYTHON) -m pytest -q tests/unit
 
 run: all
 	$(VENV)/bin/meshnet run $(ARGS)

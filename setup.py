@@ -19,5 +19,5 @@ setup(
     ],
     # the real OpenAI client against meshnet serve; a real terminal for meshnet chat
     extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8"]},
-    entry_points={"console_scripts": ["meshnet=meshnet.cli:main"]},
+    entry_points={"console_scripts": ["meshnet=meshnet.cli.main:main"]},
 )

@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from meshnet import protocol as P
+from meshnet.net import protocol as P
 
 from conftest import THREADS, track
 
@@ -37,7 +37,7 @@ def start_worker(path, endpoint, layers, *extra, ctx=256, **popen):
     """A worker process for LAYERS, (A, B) or "auto" (then give --mem in EXTRA); killed at
     the end of the test that started it, however that ends, if it is still running then."""
     layers = layers if isinstance(layers, str) else f"{layers[0]}:{layers[1]}"
-    return track(subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", endpoint, "--model",
+    return track(subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", endpoint, "--model",
                                    path, "--layers", layers, "--threads", str(THREADS), "--ctx", str(ctx), *extra],
                                   **popen))
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from meshnet.cluster import LocalCluster
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
+from meshnet.core.errors import MeshnetError
+from meshnet.engine.binding import Entry, Stage
+from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import TEST_MODELS, THREADS, last_json_line, meshnet
 
@@ -102,7 +102,7 @@ def test_a_hybrid_recurrent_model_fails_over_to_a_spare_with_the_same_tokens():
 def test_a_real_gemma3_over_worker_processes_gives_the_whole_model_s_tokens_and_logits(gemma3_path, ranges):
     import numpy as np
 
-    from meshnet import parity
+    from meshnet.evidence import parity
 
     with LocalCluster(gemma3_path, ranges, threads=1, n_ctx=256, max_sessions=1) as cluster:
         prompt = cluster.coordinator.tokenize("The old lighthouse keeper climbed the stairs and saw")

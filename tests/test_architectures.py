@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from meshnet import parity
-from meshnet.engine import Stage, arch_support
-from meshnet.errors import MeshnetError
+from meshnet.core.errors import MeshnetError
+from meshnet.engine.binding import Stage, arch_support
+from meshnet.evidence import parity
 
 from conftest import ROOT, THREADS, generated_models, model_arch, read_arch_table
 
@@ -53,7 +53,7 @@ def test_the_readme_s_table_is_the_tsv_s():
 @pytest.mark.parametrize("arch", SPLITS)
 def test_an_architecture_that_splits_gives_the_whole_model_s_logits_exactly(arch):
     # 2 and 3 stages, the prompt in uneven chunks, 16 greedy steps, 2 sessions batched, and
-    # the whole model's own rows token by token: every logit equal (meshnet/parity.py)
+    # the whole model's own rows token by token: every logit equal (meshnet/evidence/parity.py)
     variants = {stem: path for stem, path in MODELS.items() if model_arch(stem) == arch}
     assert variants, f"'{arch}' is listed as splitting but has no generated model to hold it to"
     for stem, path in variants.items():
@@ -99,9 +99,9 @@ PLANNER_APPROXIMATE = {"deepseek4"}
 def test_the_planner_counts_each_stage_s_kv_and_state_as_the_engine_allocates_them(arch):
     # per layer type (full attention, sliding window, MLA, indexer keys, recurrent state),
     # from engine.layer_memory, for every split of every generated model of the architecture
-    from meshnet.engine import layer_memory
-    from meshnet.gguf_layout import read_layout
-    from meshnet.planner import ModelCost
+    from meshnet.core.planner import ModelCost
+    from meshnet.engine.binding import layer_memory
+    from meshnet.engine.gguf_layout import read_layout
 
     # (a context longer than window + n_batch, so a window that capped its cache would show)
     n_ctx, n_sessions, n_batch = 1024, 2, 256
@@ -124,9 +124,9 @@ def test_the_planner_s_stage_is_the_engine_s_on_a_moe_a_hybrid_and_a_windowed_mo
     # each stage of a 3-stage split, against what the engine reserves at a long context:
     # within 6%; a stage of recurrent layers only may reserve masks it never fills, which
     # the planner leaves out (tools/plan_rss.py holds the sum to the peak RSS)
-    from meshnet.engine import layer_memory
-    from meshnet.gguf_layout import read_layout
-    from meshnet.planner import ModelCost, Settings, stage_need
+    from meshnet.core.planner import ModelCost, Settings, stage_need
+    from meshnet.engine.binding import layer_memory
+    from meshnet.engine.gguf_layout import read_layout
 
     path = MODELS[stem]
     settings = Settings(n_ctx=16384, n_sessions=2, n_batch=512)
@@ -141,6 +141,20 @@ def test_the_planner_s_stage_is_the_engine_s_on_a_moe_a_hybrid_and_a_windowed_mo
             assert abs(predicted - reserved) <= 0.06 * reserved, (start, end, predicted, reserved)
         else:
             assert info.model_bytes + info.kv_bytes < predicted <= reserved, (start, end, predicted, reserved)
+
+
+def test_the_planner_s_estimate_of_a_real_model_is_within_2_percent_of_what_the_engine_allocates(smollm2_path):
+    from meshnet.core.planner import ModelCost, Settings, stage_need
+    from meshnet.engine.gguf_layout import read_layout
+
+    cost = ModelCost.from_layout(read_layout(smollm2_path))
+    settings = Settings(n_ctx=256, n_sessions=2, n_batch=64)
+    for start, end in ((0, 10), (10, 20), (20, 30)):
+        with Stage(smollm2_path, (start, end), n_ctx=256, max_sessions=2, n_batch=64, n_threads=1) as stage:
+            info = stage.info()
+            engine = info.model_bytes + info.kv_bytes + info.compute_bytes
+        estimate = stage_need(cost, start, end, settings, overhead=0)
+        assert abs(estimate - engine) <= 0.02 * engine + (4 << 20), (start, end, estimate, engine)
 
 
 def with_metadata(path: str, tmp_path, key: str, value: int) -> str:

@@ -11,13 +11,14 @@ import time
 import pexpect
 import pytest
 
-from meshnet import errors
-from meshnet.chat import Chat, answer_sampling, fit
-from meshnet.cluster import LocalCluster, children_of
-from meshnet.errors import MeshnetError
-from meshnet.gguf_layout import read_layout
-from meshnet.pipeline import LocalPipeline
-from meshnet.sampling import Sampling
+from meshnet.cli.chat import Chat
+from meshnet.core import errors
+from meshnet.core.conversation import answer_sampling, fit
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import Sampling
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.launch.local_cluster import LocalCluster, children_of
 
 from conftest import THREADS, last_json_line, meshnet
 from peers import alive
@@ -173,7 +174,7 @@ def _answer(child, question, timeout=60):
 
 
 def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d():
-    child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli", "chat", "--threads", "1", "--max-tokens", "200",
+    child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli.main", "chat", "--threads", "1", "--max-tokens", "200",
                                            "--ctx", "1024"], encoding="utf-8", timeout=60, dimensions=(24, 200))
     workers = []
     try:
@@ -229,7 +230,7 @@ def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d(
 
 
 def test_meshnet_chat_ends_with_the_error_when_no_route_is_left():
-    child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli", "chat", "--threads", "1", "--max-tokens", "8",
+    child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli.main", "chat", "--threads", "1", "--max-tokens", "8",
                                            "--ctx", "256"], encoding="utf-8", timeout=60)
     try:
         child.expect_exact("Ctrl-D quits.")

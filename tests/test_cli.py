@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from meshnet.cluster import children_of
-from meshnet.engine import engine_pin  # noqa: F401  (fails early when the engine is not built)
-from meshnet.gguf_layout import read_layout
-from meshnet.pipeline import LocalPipeline
+from meshnet.launch.local_cluster import children_of
+from meshnet.engine.binding import engine_pin  # noqa: F401  (fails early when the engine is not built)
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.engine.pipeline import LocalPipeline
 
 from conftest import THREADS, last_json_line, meshnet
 from peers import alive
@@ -88,7 +88,7 @@ def test_run_in_process_and_on_workers_give_the_same_tokens():
 
 def test_ctrl_c_during_run_leaves_no_worker_processes():
     prompt = "Count from one to one thousand: one, two, three,"
-    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "1500", "--ctx", "2048",
+    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "1500", "--ctx", "2048",
                             "--prompt", prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     children = []
     try:
@@ -124,10 +124,10 @@ def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
     port = 20000 + os.getpid() % 20000
     address = f"tcp://127.0.0.1:{port}"
     data_address = f"tcp://127.0.0.1:{port + 1}"
-    coordinator = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "coordinator", "--bind", address, "--prompt", prompt,
+    coordinator = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--prompt", prompt,
                                     "--max-tokens", "12", "--json", "--wait", "60", "--data-bind", data_address],
                                    stdout=subprocess.PIPE, text=True)
-    workers = [subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", address,
+    workers = [subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", address,
                                  "--layers", layers, "--threads", str(THREADS)]) for layers in ("0:15", "15:30")]
     try:
         out, _ = coordinator.communicate(timeout=120)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pathlib import Path
 
-from meshnet.drift import kl_divergence
+from meshnet.evidence.drift import kl_divergence
 
 from conftest import THREADS
 
@@ -26,7 +26,7 @@ def test_kl_is_zero_for_equal_logits_and_the_textbook_value_otherwise():
 
 
 def test_a_cpu_route_drifts_by_exactly_nothing(smollm2_path):
-    result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--model", smollm2_path, "--split", "11,22",
+    result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "drift", "--model", smollm2_path, "--split", "11,22",
                              "--tokens", "12", "--threads", str(THREADS), "--json"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -43,14 +43,15 @@ def test_a_cpu_route_drifts_by_exactly_nothing(smollm2_path):
 def test_a_gpu_stage_without_a_gpu_engine_is_refused_with_a_clear_error(smollm2_path):
     # no GPU engine built (this machine has no GPU): the worker names the make target
     if not (Path(__file__).resolve().parent.parent / "build" / "cuda" / "libmeshnet_engine.so").exists():
-        result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--model", smollm2_path, "--stages", "2",
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "drift", "--model", smollm2_path, "--stages", "2",
                                  "--gpu", "0", "--tokens", "2", "--threads", str(THREADS)],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 4 and "worker for layers [0,19) exited" in result.stderr
         assert "[engine_missing] a GPU stage needs the GPU engine" in result.stderr and "make GPU=cuda" in result.stderr
     # a process running the CPU engine is not given a GPU stage quietly on the CPU
-    from meshnet import engine, errors
-    from meshnet.errors import MeshnetError
+    from meshnet.core import errors
+    from meshnet.core.errors import MeshnetError
+    from meshnet.engine import binding as engine
 
     if engine.library() is not None and engine._lib_path == engine.DEFAULT_LIBRARY:
         with pytest.raises(MeshnetError) as refused:
@@ -59,7 +60,8 @@ def test_a_gpu_stage_without_a_gpu_engine_is_refused_with_a_clear_error(smollm2_
 
 
 def test_the_cpu_engine_refuses_a_gpu_stage_in_its_own_words(smollm2_path):
-    from meshnet import engine, errors
+    from meshnet.core import errors
+    from meshnet.engine import binding as engine
 
     lib = engine._ffi.dlopen(str(engine.DEFAULT_LIBRARY))
     path = engine._ffi.new("char[]", smollm2_path.encode())
@@ -73,9 +75,9 @@ def test_the_cpu_engine_refuses_a_gpu_stage_in_its_own_words(smollm2_path):
 
 
 def test_drift_takes_gpu_positions_inside_the_route():
-    result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--stages", "2", "--gpu", "2"],
+    result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "drift", "--stages", "2", "--gpu", "2"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "positions 0 to 1" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "meshnet.cli", "drift", "--gpu", "head"],
+    result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "drift", "--gpu", "head"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--gpu takes stage positions" in result.stderr

@@ -4,11 +4,11 @@ import gguf
 import numpy as np
 import pytest
 
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.gguf_layout import read_layout
-from meshnet.layers import ranges_from_seams
-from meshnet.pipeline import LocalPipeline
+from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import ranges_from_seams
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.engine.pipeline import LocalPipeline
 
 from conftest import THREADS
 
@@ -349,7 +349,7 @@ def test_a_k_quant_model_gives_each_row_the_same_result_whatever_the_number_of_r
 
 
 def test_a_k_quant_model_batches_sessions_bit_exactly(qwen_path):
-    from meshnet.pipeline import Request
+    from meshnet.engine.pipeline import Request
 
     prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, counting from zero.\"\"\"\n",
                "SELECT name, email FROM users WHERE created_at > '2024-01-01' AND",

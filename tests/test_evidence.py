@@ -9,9 +9,10 @@ from pathlib import Path
 
 import jsonschema
 
-from meshnet.bench import PROMPTS, format_report
-from meshnet.cluster import LocalCluster
-from meshnet.metrics import MetricsServer
+from meshnet.evidence.bench import format_report
+from meshnet.evidence.prompts import PROSE
+from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net.metrics_server import MetricsServer
 
 from conftest import THREADS
 
@@ -20,7 +21,7 @@ SCHEMA = json.loads((ROOT / "evidence" / "manifest.schema.json").read_text())
 
 
 def meshnet(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True, timeout=600,
                           env=env)
 
 
@@ -80,7 +81,7 @@ def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys():
     assert set(configs) == {"whole", "stages", "workers", "plain"}
     assert report["keys_over_plain_decode_tok_s"] > 0   # keyed and plain workers, side by side in one run
     for entry in configs.values():
-        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROMPTS)
+        assert entry["decode_tok_s"]["median"] > 0 and entry["decode_tok_s"]["n"] == len(PROSE)
         assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
     assert configs["whole"]["decode_tok_s_ratio"] == 1.0
     assert configs["workers"]["hop_us_p50"]["median"] > 0

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from meshnet import errors as E
-from meshnet.cluster import LocalCluster
-from meshnet.errors import MeshnetError
-from meshnet.generation import FeedHead, Generation, StopRule
-from meshnet.metrics import prometheus_text
-from meshnet.sampling import Sampling
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.core.generation import FeedHead, Generation, StopRule
+from meshnet.core.metrics import prometheus_text
+from meshnet.core.sampling import Sampling
+from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS
 

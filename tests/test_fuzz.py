@@ -43,11 +43,11 @@ import numpy as np
 import pytest
 import zmq
 
-from meshnet import errors as E
-from meshnet import protocol as P
-from meshnet.cluster import LocalCluster
-from meshnet.engine import Entry, Stage
-from meshnet.pipeline import LocalPipeline
+from meshnet.core import errors as E
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net import protocol as P
 
 from conftest import THREADS
 from peers import KEY, bind_loopback, rss_kib
@@ -572,7 +572,7 @@ def dropped_total(counters: dict) -> int:
 
 def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_disturbs_a_session(smollm2_path, expected,
                                                                                              caplog):
-    caplog.set_level(logging.ERROR, logger="meshnet.coordinator")  # a warning per refused READY: thousands, all expected
+    caplog.set_level(logging.ERROR, logger="meshnet.route.coordinator")  # a warning per refused READY: thousands, all expected
     prompt_tokens, expected_tokens = expected
     rng = random.Random(SEED)
     # keyless, as meshnet coordinator is on loopback: the fuzz is to reach the coordinator's own checks
@@ -985,7 +985,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
     rng = random.Random(SEED + 1)
     replies = Replies()
     router = Router(replies)
-    worker = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "worker", "--coordinator", router.endpoint,
+    worker = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", router.endpoint,
                                "--model", smollm2_path, "--layers", "15:30", "--threads", str(THREADS), "--ctx", str(WORKER_N_CTX)])
     try:
         # what a real head gives for the prompt and for the first generated token: the worker's real input

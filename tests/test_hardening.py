@@ -13,12 +13,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from meshnet import protocol as P
-from meshnet.cluster import LocalCluster, children_of
-from meshnet.coordinator import Coordinator
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.metrics import MetricsServer, rss_bytes
+from meshnet.core.errors import MeshnetError
+from meshnet.core.metrics import rss_bytes
+from meshnet.engine.binding import Entry, Stage
+from meshnet.launch.local_cluster import LocalCluster, children_of
+from meshnet.net import protocol as P
+from meshnet.net.metrics_server import MetricsServer
+from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS, whole_model_tokens
 from peers import FakeCoordinator, FakeWorker, capability, free_port, rss_kib, start_worker, wait_until
@@ -34,7 +35,7 @@ def reference(smollm2_path):
 
 
 def meshnet(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, timeout=timeout)
 
 
 def assert_serves(coordinator, reference):
@@ -199,7 +200,7 @@ def _cmdline(pid: int) -> bytes:
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_run_reports_a_worker_lost_before_the_route_formed_at_once(how):
-    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "4"],
+    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "4"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         child = None

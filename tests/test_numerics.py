@@ -1,13 +1,13 @@
-"""The numerics classes (meshnet/numerics.py): the invariant class gives every row the
+"""The numerics classes (meshnet/core/numerics.py): the invariant class gives every row the
 same bits however it is batched; the class is part of a route's compatibility class."""
 
 import numpy as np
 import pytest
 
-from meshnet.coordinator import Coordinator
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.gguf_layout import read_layout
+from meshnet.core.errors import MeshnetError
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.route.coordinator import Coordinator
 
 from conftest import DENSE_ARCHS, THREADS
 from peers import start_worker, wait_until
@@ -154,19 +154,19 @@ def test_a_route_that_mixes_numerics_classes_is_refused_naming_both(smollm2_path
 def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_says(model, numerics, smollm2_path,
                                                                                   qwen_path):
     # stock: the pin's default build; invariant: the pin without llamafile, repacking and
-    # the tiled matmul (meshnet/reference.py). 8 prompts x 32 greedy tokens through 2 workers.
-    from meshnet import reference
-    from meshnet.cluster import LocalCluster
+    # the tiled matmul (meshnet/evidence/reference.py). 8 prompts x 32 greedy tokens through 2 workers.
+    from meshnet.evidence import prompts, reference
+    from meshnet.launch.local_cluster import LocalCluster
 
     path = smollm2_path if model == "smollm2" else qwen_path
     n_tokens = 32
-    expected = reference.greedy(path, reference.PROMPTS, n_tokens, numerics, threads=THREADS)
+    expected = reference.greedy(path, prompts.CLASS_CHECK, n_tokens, numerics, threads=THREADS)
     ranges = read_layout(path).balanced_ranges(2)
     with LocalCluster(path, ranges, threads=THREADS, n_ctx=512, max_sessions=1, numerics=numerics) as cluster:
         coordinator = cluster.coordinator
         assert {w["numerics"] for w in coordinator.workers_snapshot()} == {numerics}
         parted = []
-        for prompt, (ref_prompt, ref_tokens) in zip(reference.PROMPTS, expected):
+        for prompt, (ref_prompt, ref_tokens) in zip(prompts.CLASS_CHECK, expected):
             tokens = coordinator.tokenize(prompt)
             assert tokens == ref_prompt
             got = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600).tokens
@@ -178,7 +178,7 @@ def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_sa
 
 
 def test_a_session_that_loses_a_stage_never_resumes_on_a_route_of_the_other_class(smollm2_path):
-    from meshnet import errors as E
+    from meshnet.core import errors as E
 
     with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
         invariant = [start_worker(smollm2_path, coordinator.endpoint, r) for r in ((0, 15), (15, 30))]

@@ -4,7 +4,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from meshnet.engine import Stage, engine_pin
+from meshnet.engine.binding import Stage, engine_pin
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = sorted((ROOT / "engine_c" / "patches").glob("*.patch"))

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from meshnet.cluster import LocalCluster
+from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS, serving, whole_model_tokens
 

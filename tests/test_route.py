@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from meshnet.coordinator import Coordinator
-from meshnet.gguf_layout import read_layout
-from meshnet.pipeline import LocalPipeline
-from meshnet.planner import ModelCost, Node, Settings, plan
+from meshnet.core.planner import ModelCost, Node, Settings, plan
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.evidence.drift import DriftMeter
+from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS
 from peers import rss_kib, start_worker, wait_until
@@ -210,7 +211,7 @@ def test_a_model_bigger_than_one_node_is_split_by_the_planner_across_two(qwen_pa
 def test_allow_mixed_lets_another_class_in_and_every_run_reports_its_drift_from_the_whole_model(smollm2_path, tmp_path):
     other = mutated_copy(smollm2_path, tmp_path)    # another sha256, the same weights: no drift to find
     prompt_tokens, expected = whole_model(smollm2_path, 256)
-    with Coordinator(allow_mixed=True, reference_model=smollm2_path, **FAST_HEARTBEAT) as coordinator:
+    with Coordinator(allow_mixed=True, drift_meter=DriftMeter(smollm2_path), **FAST_HEARTBEAT) as coordinator:
         workers = []
         try:
             workers += [start_worker(smollm2_path, coordinator.endpoint, (0, 19)),
@@ -231,7 +232,7 @@ def test_allow_mixed_lets_another_class_in_and_every_run_reports_its_drift_from_
 
 
 def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and_offers_it(smollm2_path):
-    from meshnet import protocol as P
+    from meshnet.net import protocol as P
     from peers import FakeCoordinator
 
     fake = FakeCoordinator()
@@ -279,7 +280,7 @@ def _standby_capability(**overrides):
     (lambda c: c.update(layers=[0, 30]), "'data_endpoint'"),
 ], ids=["no-mem", "no-cost", "cost-n_layer", "short-layer-bytes", "negative-bytes", "unknown-cost-field", "layers-no-endpoint"])
 def test_a_capability_is_either_a_range_with_its_endpoint_or_a_budget_with_the_model_s_costs(change, why):
-    from meshnet import protocol as P
+    from meshnet.net import protocol as P
 
     assert P.check_capability(_standby_capability())["mem_bytes"] == 1 << 30
     cap = _standby_capability()
@@ -290,7 +291,7 @@ def test_a_capability_is_either_a_range_with_its_endpoint_or_a_budget_with_the_m
 
 
 def test_a_worker_bound_to_every_interface_advertises_the_address_it_reaches_the_coordinator_from():
-    from meshnet.worker import advertised
+    from meshnet.stage.worker import advertised
 
     assert advertised("tcp://0.0.0.0:7000", "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:7000"
     assert advertised("tcp://*:7000", "tcp://localhost:5555") == "tcp://127.0.0.1:7000"

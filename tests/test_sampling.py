@@ -4,12 +4,12 @@ the GGUF: the parameters' rules as plain data, then the real engine, then real r
 import numpy as np
 import pytest
 
-from meshnet import errors as E
-from meshnet.cluster import LocalCluster
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.pipeline import LocalPipeline
-from meshnet.sampling import GREEDY, Sampling
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import GREEDY, Sampling
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
-from meshnet import security
-from meshnet.coordinator import Coordinator
-from meshnet.pipeline import LocalPipeline
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.net import security
+from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS
 from peers import start_worker, wait_until
@@ -43,7 +43,7 @@ def stop(processes):
 
 
 def test_keys_generate_writes_a_pair_and_never_overwrites(tmp_path):
-    run = lambda: subprocess.run([sys.executable, "-m", "meshnet.cli", "keys", "generate", str(tmp_path), "--name", "w1"],
+    run = lambda: subprocess.run([sys.executable, "-m", "meshnet.cli.main", "keys", "generate", str(tmp_path), "--name", "w1"],
                                  capture_output=True, text=True, timeout=60)
     first = run()
     assert first.returncode == 0, first.stderr
@@ -159,7 +159,7 @@ def test_every_link_of_a_keyed_route_is_curve_and_a_stranger_cannot_push_into_a_
                     if stranger is not None:
                         security.client(push, stranger, security.load_public(keys / "head.key"))
                     push.connect(head["data_endpoint"])
-                    from meshnet import protocol as P
+                    from meshnet.net import protocol as P
                     push.send_multipart(P.encode(P.ACT, 0, sid=1, key=1, pos=0, n=1, tokens=[1]), flags=zmq.NOBLOCK) \
                         if push.poll(500, zmq.POLLOUT) else None
                 time.sleep(1.0)
@@ -177,7 +177,7 @@ def test_every_link_of_a_keyed_route_is_curve_and_a_stranger_cannot_push_into_a_
 
 def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure_is_said():
     def meshnet(*args):
-        return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True, timeout=60)
 
     refused = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0")
     assert refused.returncode == 2 and "reachable beyond this machine and no keys" in refused.stderr
@@ -197,7 +197,7 @@ def test_loopback_is_told_apart_from_the_network():
 
 def test_run_uses_fresh_keys_on_loopback_by_default_and_gives_the_same_tokens_as_insecure():
     def run(*extra):
-        result = subprocess.run([sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", "8", "--json",
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "8", "--json",
                                  "--threads", str(THREADS), *extra], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         import json
@@ -209,7 +209,7 @@ def test_run_uses_fresh_keys_on_loopback_by_default_and_gives_the_same_tokens_as
 
 
 def test_a_local_cluster_with_secure_runs_curve_on_every_link_and_leaves_no_keys_behind(smollm2_path):
-    from meshnet.cluster import LocalCluster
+    from meshnet.launch.local_cluster import LocalCluster
 
     with LocalCluster(smollm2_path, [(0, 19), (19, 30)], threads=THREADS, n_ctx=256, secure=True) as cluster:
         keys_dir = cluster.keys_dir.name
@@ -227,7 +227,7 @@ def test_a_local_cluster_with_secure_runs_curve_on_every_link_and_leaves_no_keys
 
 
 def test_refusals_are_counted_in_the_prometheus_text():
-    from meshnet.metrics import prometheus_text
+    from meshnet.core.metrics import prometheus_text
 
     text = prometheus_text({"stages": [{"stage": "[0,19)", "worker": "w", "refused_peers": 2}],
                             "counters": {"refused_handshakes": 3, "refused_peers": 1}})

@@ -16,8 +16,8 @@ import urllib.request
 import openai
 import pytest
 
-from meshnet.engine import Stage
-from meshnet.serve import StopScanner
+from meshnet.engine.binding import Stage
+from meshnet.serve.app import StopScanner
 
 from conftest import serving
 
@@ -314,7 +314,7 @@ def test_unknown_model_is_404_and_a_wrong_or_missing_key_is_401(client, server):
 
 def test_the_command_line_refuses_an_open_server_without_a_key_and_local_options_with_a_coordinator():
     def serve(*args):
-        return subprocess.run([sys.executable, "-m", "meshnet.cli", "serve", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "meshnet.cli.main", "serve", *args], capture_output=True, text=True,
                               timeout=60, env={k: v for k, v in os.environ.items() if k != "MESHNET_API_KEY"})
     open_http = serve("--host", "0.0.0.0", "--port", "0")
     assert open_http.returncode == 2 and "--api-key" in open_http.stderr

@@ -17,7 +17,7 @@ from conftest import serving
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
-LIMIT = 4 * 1024 * 1024   # the README's bound on a request body (meshnet.serve.MAX_BODY_BYTES)
+LIMIT = 4 * 1024 * 1024   # the README's bound on a request body (meshnet.serve.app.MAX_BODY_BYTES)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 

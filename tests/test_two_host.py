@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from meshnet.gguf_layout import read_layout
+from meshnet.engine.gguf_layout import read_layout
 
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
 
@@ -163,7 +163,7 @@ def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(s
 
 
 def test_given_keys_are_used_and_only_the_missing_ones_made(tmp_path):
-    from meshnet import security
+    from meshnet.net import security
     security.generate(tmp_path, "coordinator")
     lines = dry_run("--host-a", "a@h", "--host-b", "b@h", "--keys", str(tmp_path), INSECURE="0")
     assert [shlex.split(line)[-1] for line in lines if " keys generate " in line] == ["worker-a", "worker-b"]
@@ -196,10 +196,24 @@ def fake_ssh(tmp_path):
     return str(ssh)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(width: int = 1) -> int:
+    """A port P with P .. P+WIDTH-1 free now: both workers on one address take the data
+    port and the one after it (two-host.sh), and the one after a random free port may be
+    any other socket's."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            others = [socket.socket() for _ in range(width - 1)]
+            try:
+                for offset, other in enumerate(others, 1):
+                    other.bind(("127.0.0.1", port + offset))
+                return port
+            except OSError:
+                continue
+            finally:
+                for other in others:
+                    other.close()
 
 
 def hosts(tmp_path, **flags):
@@ -214,7 +228,7 @@ def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_repor
                                                                                                         smollm2_path):
     local = tmp_path / "here"
     local.mkdir()
-    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(), max_tokens=12, wait=ROUTE_WAIT_S),
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(width=2), max_tokens=12, wait=ROUTE_WAIT_S),
                       SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), timeout=RUN_BOUND_S, logs=tmp_path)
     assert result.returncode == 0, result.stderr
     # (two_host has checked that no process of the run is left, on either "host")

@@ -9,21 +9,17 @@ import numpy as np
 import pytest
 import zmq
 
-from meshnet import protocol as P
-from meshnet.cluster import LocalCluster
-from meshnet.engine import Entry, Stage
-from meshnet.errors import MeshnetError
-from meshnet.pipeline import LocalPipeline
+from meshnet.core.errors import MeshnetError
+from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.evidence.prompts import SHORT
+from meshnet.launch.local_cluster import LocalCluster
+from meshnet.net import protocol as P
 
 from conftest import THREADS
 from peers import KEY, FakeCoordinator, start_worker, wait_until
 
-PROMPTS = [
-    "The old lighthouse keeper climbed the stairs every night, and",
-    "A recipe for bread needs flour, water, salt and",
-    "In 1969 the first astronauts landed on the Moon, and",
-    "The three laws of thermodynamics say that",
-]
+PROMPTS = SHORT
 LONG_PROMPT = " ".join(PROMPTS * 5)  # 200+ tokens
 HALVES = [(0, 15), (15, 30)]
 THIRDS = [(0, 10), (10, 20), (20, 30)]

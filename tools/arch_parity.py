@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import json, sys
-from meshnet.parity import check
-from meshnet.errors import MeshnetError
+from meshnet.core.errors import MeshnetError
+from meshnet.evidence.parity import check
 try:
     r = check(sys.argv[1])
     print(json.dumps({"arch": r.arch, "n_layer": r.n_layer, "exact": r.exact, "results": r.results}))

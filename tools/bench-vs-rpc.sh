@@ -27,7 +27,7 @@ stop_servers() { for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null || true;
 trap stop_servers EXIT
 
 for model in "${models[@]}"; do
-    path=$(python3 -c "import sys; from meshnet import models; print(models.resolve(sys.argv[1])[0])" "$model")
+    path=$(python3 -c "import sys; from meshnet.engine import models; print(models.resolve(sys.argv[1])[0])" "$model")
     echo "== $model: llama.cpp RPC, two ggml-rpc-server on 127.0.0.1, $threads threads each"
     for port in 50052 50053; do
         "$rpc_build/bin/ggml-rpc-server" -H 127.0.0.1 -p "$port" -t "$threads" > "$rpc_build-server-$port.log" 2>&1 &

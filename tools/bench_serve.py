@@ -24,7 +24,7 @@ TOPICS = ["the sea", "a cat", "winter", "bread", "trains", "the moon", "music", 
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "meshnet.cli", "serve", "--port", "0", "--stages", str(args.stages),
+    command = [sys.executable, "-m", "meshnet.cli.main", "serve", "--port", "0", "--stages", str(args.stages),
                "--max-sessions", str(max(args.clients, 1)), "--ctx", "1024"]
     if args.model:
         command += ["--model", args.model]

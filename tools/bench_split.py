@@ -7,7 +7,7 @@ split itself costs. `meshnet bench` runs the same measurement and worker process
 import argparse
 import sys
 
-from meshnet.bench import format_report, run_bench
+from meshnet.evidence.bench import format_report, run_bench
 
 
 def main() -> int:

@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshnet import models  # noqa: E402
-from meshnet.cluster import LocalCluster  # noqa: E402
-from meshnet.errors import MeshnetError  # noqa: E402
-from meshnet.gguf_layout import read_layout  # noqa: E402
-from meshnet.sampling import Sampling  # noqa: E402
+from meshnet.core.errors import MeshnetError  # noqa: E402
+from meshnet.core.sampling import Sampling  # noqa: E402
+from meshnet.engine import models  # noqa: E402
+from meshnet.engine.gguf_layout import read_layout  # noqa: E402
+from meshnet.launch.local_cluster import LocalCluster  # noqa: E402
 
 TOPICS = ["the lighthouse keeper", "a village baker", "a small robot", "the printing press", "a mountain road",
           "the night train", "an old library", "a river delta"]

@@ -18,9 +18,9 @@ import time
 
 import zmq
 
-from meshnet import protocol as P
-from meshnet.coordinator import Coordinator
-from meshnet.metrics import rss_bytes
+from meshnet.core.metrics import rss_bytes
+from meshnet.net import protocol as P
+from meshnet.route.coordinator import Coordinator
 
 MIB = 1 << 20
 

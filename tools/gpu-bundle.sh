@@ -40,7 +40,7 @@ rm -f "$OUT/src/wheels/"*.whl
     -d "$OUT/src/wheels" pyzmq cffi pycparser gguf
 
 for name in "${models[@]}"; do
-    path=$("$PYTHON" -m meshnet.models ensure "$name" | sed -n 's/^[^:]*: \(.*\) (sha256 .*/\1/p')
+    path=$("$PYTHON" -m meshnet.engine.models ensure "$name" | sed -n 's/^[^:]*: \(.*\) (sha256 .*/\1/p')
     base=$(basename "$path")
     rm -f "$OUT/models/$base".*
     split -b "${CHUNK_MB}M" -d -a 2 "$path" "$OUT/models/$base."

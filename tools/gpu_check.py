@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from meshnet.models import MODELS  # noqa: E402
+from meshnet.engine.models import MODELS  # noqa: E402
 
 CONFIGS = {            # name: (stages, --gpu positions, --allow-mixed)
     "cpu": (1, None, False),
@@ -58,7 +58,7 @@ def known_model(path: Path) -> tuple[str, str]:
 
 
 def drift(model: Path, stages: int, gpu: str | None, allow_mixed: bool, tokens: int, log: Path) -> tuple[int, dict | None, str]:
-    args = [sys.executable, "-m", "meshnet.cli", "drift", "--model", str(model), "--stages", str(stages),
+    args = [sys.executable, "-m", "meshnet.cli.main", "drift", "--model", str(model), "--stages", str(stages),
             "--tokens", str(tokens), "--json"]
     if gpu is not None:
         args += ["--gpu", gpu]

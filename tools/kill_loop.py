@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure what `meshnet run` does when one of its worker processes dies or freezes.
 
-Each trial starts `python -m meshnet.cli run --max-tokens N --prompt P`, picks one of its
+Each trial starts `python -m meshnet.cli.main run --max-tokens N --prompt P`, picks one of its
 worker children (children by the parent pid in /proc/*/stat, as tests/test_cli.py does)
 and, at a seeded random moment, sends it SIGKILL ("kill") or SIGSTOP ("stop"). The
 moment is either early, a random 0..--early-max seconds after the child appears (so
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshnet.cluster import children_of as cluster_children_of
+from meshnet.launch.local_cluster import children_of as cluster_children_of
 
 ERROR_LINE = re.compile(r"^error: \[([^\]]+)\] ?(.*)$", re.MULTILINE)
 POLL_S = 0.02      # how often the moment to signal is looked for
@@ -95,7 +95,7 @@ def cmdline(pid: int) -> list[str]:
 def is_worker(pid: int) -> bool:
     # between fork and exec a child still shows its parent's command line: wait for the worker's own
     args = cmdline(pid)
-    return "meshnet.cli" in args and "worker" in args
+    return "meshnet.cli.main" in args and "worker" in args
 
 
 def layers_of(pid: int) -> str:
@@ -133,7 +133,7 @@ class Output(threading.Thread):
 
 
 def run_trial(trial: Trial, rng: random.Random, args) -> Trial:
-    command = [sys.executable, "-m", "meshnet.cli", "run", "--max-tokens", str(args.max_tokens), "--prompt", args.prompt]
+    command = [sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", str(args.max_tokens), "--prompt", args.prompt]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
     if args.model:

@@ -48,8 +48,8 @@ if [ -n "$delay" ] && [ ! -c /dev/net/tun ]; then skip "DELAY needs TAP devices 
 # one for its stage's data path, as on two machines
 plan=$("$py" -c '
 import os, sys
-from meshnet import models
-from meshnet.gguf_layout import read_layout
+from meshnet.engine import models
+from meshnet.engine.gguf_layout import read_layout
 path = models.resolve(sys.argv[1] or None)[0]
 print(path)
 print(",".join(f"{r.start}:{r.end}" for r in read_layout(path).balanced_ranges(2)))
@@ -165,13 +165,13 @@ echo "netns: $ns_a runs the coordinator ($coordinator) and layers $first; $ns_b 
 
 cpu_a=() cpu_b=()
 if [ -n "$cpus" ]; then cpu_a=(--cpu "${cpus% *}") cpu_b=(--cpu "${cpus#* }"); fi
-worker=("$py" -m meshnet.cli worker --coordinator "$coordinator" --model "$model_path" --threads 1 --ctx 1024)
+worker=("$py" -m meshnet.cli.main worker --coordinator "$coordinator" --model "$model_path" --threads 1 --ctx 1024)
 check_keys=()
 if [ -n "${SECURE:-}" ]; then
     # fresh keys for this run: the coordinator's, one per worker, the workers' public keys allowed
     keys=$logs/keys
     for name in coordinator worker-a worker-b; do
-        "$py" -m meshnet.cli keys generate "$keys" --name "$name" >/dev/null
+        "$py" -m meshnet.cli.main keys generate "$keys" --name "$name" >/dev/null
     done
     mkdir -p "$keys/allowed" && cp "$keys/worker-a.key" "$keys/worker-b.key" "$keys/allowed/"
     secure_a=(--secret "$keys/worker-a.key_secret" --coordinator-key "$keys/coordinator.key")

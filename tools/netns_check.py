@@ -25,19 +25,15 @@ import time
 
 import numpy as np
 
-from meshnet import models
-from meshnet.coordinator import Coordinator
-from meshnet.errors import MeshnetError
-from meshnet.gguf_layout import read_layout
-from meshnet.layers import LayerRange
-from meshnet.pipeline import LocalPipeline
+from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import LayerRange
+from meshnet.engine import models
+from meshnet.engine.gguf_layout import read_layout
+from meshnet.engine.pipeline import LocalPipeline
+from meshnet.evidence.prompts import SHORT
+from meshnet.route.coordinator import Coordinator
 
-PROMPTS = [
-    "The old lighthouse keeper climbed the stairs every night, and",
-    "A recipe for bread needs flour, water, salt and",
-    "In 1969 the first astronauts landed on the Moon, and",
-    "The three laws of thermodynamics say that",
-]
+PROMPTS = SHORT
 PINGS = 20
 
 
@@ -91,7 +87,7 @@ def _curve_everywhere(coordinator) -> bool:
     """Every link of the route runs CURVE, as ZeroMQ reports it: the coordinator's own
     sockets, and each stage's control and data endpoint (its pushes exist only from a
     session's open: see _pushes_curve)."""
-    from meshnet.security import mechanism
+    from meshnet.net.security import mechanism
 
     mine = {mechanism(coordinator.router), mechanism(coordinator.data)}
     theirs = {m for s in coordinator.stage_stats() for m in (s["mechanisms"]["control"], s["mechanisms"]["data"])}
@@ -138,7 +134,7 @@ def check(args, report: dict) -> bool:
     ranges = [LayerRange.parse(r, n_layer) for r in args.layers.split(",")]
     keys = allowed = None
     if args.keys:
-        from meshnet import security
+        from meshnet.net import security
         keys = security.load_secret(f"{args.keys}/coordinator.key_secret")
         allowed = security.load_allowed(f"{args.keys}/allowed")
     with Coordinator(args.bind, keys=keys, allowed_workers=allowed) as coordinator:

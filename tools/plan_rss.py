@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from meshnet.cluster import LocalCluster  # noqa: E402
-from meshnet.engine import layer_memory  # noqa: E402
-from meshnet.gguf_layout import read_layout  # noqa: E402
-from meshnet.planner import OVERHEAD, ModelCost, Settings, format_size, stage_need  # noqa: E402
+from meshnet.core.planner import OVERHEAD, ModelCost, Settings, format_size, stage_need  # noqa: E402
+from meshnet.engine.binding import layer_memory  # noqa: E402
+from meshnet.engine.gguf_layout import read_layout  # noqa: E402
+from meshnet.launch.local_cluster import LocalCluster  # noqa: E402
 
 
 def peak_rss(pid: int) -> int:

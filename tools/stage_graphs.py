@@ -242,6 +242,11 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     tree = Path(sys.argv[1])
+    if not (tree / "src" / "models").is_dir():
+        # a wrong tree (or --help) would write an empty stack over the real one
+        print(f"{tree} is not a llama.cpp tree (no src/models/): give the pristine pin, build/llama.cpp-pristine\n\n"
+              + __doc__, file=sys.stderr)
+        return 2
     out_path = Path(sys.argv[2]) if len(sys.argv) == 3 else Path(__file__).resolve().parent.parent / "engine_c" / "patches" / "0007-stage-graphs.patch"
     diff = []
     for path in sorted((tree / "src" / "models").glob("*.cpp")):

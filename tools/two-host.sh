@@ -109,14 +109,14 @@ fi
 # (to look for on the hosts) and, where the file is here, its balanced split
 plan=$(PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} "$py" -c '
 import os, sys
-from meshnet import models
+from meshnet.engine import models
 name = sys.argv[1]
 spec = models.MODELS.get(name)
 local = models.models_dir() / spec.filename if spec else os.path.expanduser(name)
 print(spec.filename if spec else "")
 split, n_layer = "", ""
 try:
-    from meshnet.gguf_layout import read_layout
+    from meshnet.engine.gguf_layout import read_layout
     if os.path.isfile(local):
         layout = read_layout(local)
         split, n_layer = ",".join(f"{r.start}:{r.end}" for r in layout.balanced_ranges(2)), layout.n_layer
@@ -216,7 +216,7 @@ for side in a b; do
     version=$(on "$host" "$(words "$exe" --version)" 2>&1) ||
         not_ready "no meshnet at '$exe' on $host (${version:-no answer}); install it there (\`make\` in a checkout) or give $flag PATH: this script installs nothing"
     on "$host" "$model_test" ||
-        not_ready "model '$model' is not on $host; install it there (python -m meshnet.models ensure $model, or copy the file): this script installs nothing"
+        not_ready "model '$model' is not on $host; install it there (python -m meshnet.engine.models ensure $model, or copy the file): this script installs nothing"
     echo "two-host: $host: $version, model $model present" >&2
 done
 
@@ -264,7 +264,7 @@ if [ "$insecure" != 1 ]; then
     fi
     for name in coordinator worker-a worker-b; do
         [ -f "$keys/$name.key_secret" ] && [ -f "$keys/$name.key" ] ||
-            local_run "$py" -m meshnet.cli keys generate "$keys" --name "$name" ||
+            local_run "$py" -m meshnet.cli.main keys generate "$keys" --name "$name" ||
             die "cannot generate the $name key in $keys"
     done
     send_key "$host_a" "$keys/coordinator.key_secret" coordinator.key_secret

@@ -1,0 +1,8 @@
+"""The defaults a user meets in every command and class, written once: a worker, `meshnet
+run`, `serve`, `plan`, the planner's settings and the engine's Stage all start from here."""
+
+N_CTX = 2048           # context tokens per session (llama.cpp's usual server default is 4096; a
+                       # small machine holding a range of a large model has less room)
+N_BATCH = 512          # tokens per forward pass, llama.cpp's n_batch default
+MAX_SESSIONS = 8       # sessions a worker holds at once (its KV is sized for all of them)
+LIBRARY_SESSIONS = 4   # a Stage or LocalCluster opened from code, as tests and tools open many

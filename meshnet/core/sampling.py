@@ -1,0 +1,84 @@
+"""A session's sampling parameters: what the tail's llama.cpp sampler chain is built from.
+
+The sampling itself happens in the engine (llama.cpp's samplers: penalties, top-k,
+top-p, min-p, temperature, then a draw seeded per position). It is a pure function of
+these parameters, the seed and the tokens so far, so that a route of any shape, the
+whole model in one process and a replay all give the same tokens. This module only
+says what a valid set of parameters is, in one place for the CLI, the wire and the
+HTTP server.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0        # <= 0: greedy (the penalties still apply)
+    top_k: int = 0                  # 0: off
+    top_p: float = 1.0              # 1: off
+    min_p: float = 0.0              # 0: off
+    repeat_penalty: float = 1.0     # 1: off
+    penalty_last_n: int = 64        # tokens the penalties look back on; -1: the whole context
+    frequency_penalty: float = 0.0  # 0: off
+    presence_penalty: float = 0.0   # 0: off
+    seed: int = 0
+
+    def __post_init__(self):
+        def number(name, low, high, integer=False):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise MeshnetError(E.INVALID_ARGUMENT, f"{name} must be {'an integer' if integer else 'a number'}, "
+                                   f"not {value!r}", field=name)
+            if not (math.isfinite(value) and low <= value <= high):
+                raise MeshnetError(E.INVALID_ARGUMENT, f"{name} must be within [{low}, {high}], not {value!r}",
+                                   field=name)
+
+        number("temperature", 0.0, 100.0)
+        number("top_k", 0, 1 << 31, integer=True)
+        number("top_p", 0.0, 1.0)
+        number("min_p", 0.0, 1.0)
+        number("repeat_penalty", 0.0, 100.0)
+        number("penalty_last_n", -1, 1 << 31, integer=True)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("seed", 0, MAX_SEED, integer=True)
+        if self.repeat_penalty == 0.0:
+            raise MeshnetError(E.INVALID_ARGUMENT, "repeat_penalty must be above 0 (1 is off)", field="repeat_penalty")
+
+    @property
+    def greedy(self) -> bool:
+        """Plain argmax: no temperature and no penalty."""
+        return (self.temperature <= 0.0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0)
+
+    @property
+    def uses_history(self) -> bool:
+        """The penalties look at the tokens so far: the tail must be told the prompt."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def to_wire(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v != getattr(GREEDY, k)}
+
+    @classmethod
+    def from_wire(cls, value) -> "Sampling":
+        if not isinstance(value, dict):
+            raise MeshnetError(E.BAD_FIELD, f"sampling must be a map, not {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(map(str, set(value) - known))
+        if unknown:
+            raise MeshnetError(E.BAD_FIELD, f"sampling has unknown fields {unknown}")
+        try:
+            return cls(**value)
+        except MeshnetError as e:
+            raise MeshnetError(E.BAD_FIELD, f"sampling: {e.message}") from None
+
+
+GREEDY = Sampling()

@@ -1,0 +1,43 @@
+"""The prompts meshnet checks and measures itself on, written once: meshnet accept, bench,
+drift, the stock-reference check of a numerics class, tools/netns_check.py and the tests."""
+
+# Short continuations, one per session: accept's checks (parity, isolation, cancel, a
+# killed worker) and the two-namespace check
+SHORT = [
+    "The old lighthouse keeper climbed the stairs every night, and",
+    "A recipe for bread needs flour, water, salt and",
+    "In 1969 the first astronauts landed on the Moon, and",
+    "The three laws of thermodynamics say that",
+]
+
+# Prose of 30-40 tokens, decoded at length: bench's configurations and drift
+PROSE = [
+    "In the far north, where the winters last for most of the year, a small village of fishermen kept an old "
+    "tradition: every evening, one of them would climb the hill and light a fire so that the boats could find "
+    "their way home.",
+    "The history of mathematics begins with counting. Long before writing, people kept tallies on bones and "
+    "sticks, and the first numbers were simply marks, one for each sheep or each day.",
+    "A good recipe for bread needs only four things: flour, water, salt and yeast. The baker's skill lies in "
+    "time and temperature, and in knowing when the dough is ready.",
+    "The river rose slowly all through the night, and by morning the low fields along its banks had become a "
+    "single grey lake, with only the tops of the fences showing where the roads had been.",
+]
+
+# The prompts a class is checked on: prose and code, two of them longer than the
+# coordinator's 64-token prompt chunk, so that the stock class's one-batch prefill counts.
+CLASS_CHECK = [
+    "The capital of France is",
+    "In the far north, where the winters last for most of the year, a small village of fishermen kept an old "
+    "tradition: every evening, one of them would climb the hill and light a fire so that the boats could find "
+    "their way home. The fire was built of driftwood and dry heather, and it burned until the last boat had "
+    "come in. One winter the fire went out, and on that night",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, counting from zero.\"\"\"\n",
+    "Q: What is the boiling point of water at sea level, in degrees Celsius?\nA:",
+    "SELECT name, email FROM users WHERE created_at > '2024-01-01' AND",
+    "The history of mathematics begins with counting. Long before writing, people kept tallies on bones and "
+    "sticks, and the first numbers were simply marks, one for each sheep or each day. Later, in Mesopotamia and "
+    "Egypt, scribes needed to measure fields, divide harvests and predict the floods of the rivers. They wrote "
+    "their numbers on clay tablets and on papyrus, and some of those tablets survive today, and so",
+    "import numpy as np\nimport pandas as pd\n\n# load the measurements and",
+    "My grandmother's recipe for bread needs only four things:",
+]

@@ -1,0 +1,2 @@
+"""Starting routes of local worker processes (LocalCluster). Imports core, engine, net and
+route."""

@@ -1,0 +1,2 @@
+"""What crosses a link: the protocol's messages, CURVE security, heartbeats and addresses.
+Imports core only."""

@@ -1,0 +1,499 @@
+"""The protocol: every message, in one place, on both planes.
+
+Control (coordinator ROUTER <-> worker DEALER): heartbeats, open/release/cancel, health,
+text. Data (PUSH -> a peer's bound PULL): activations from stage to stage, the tail's
+tokens to the coordinator and each decode step straight back to the head (a ring), so
+the coordinator is off the per-token path. A data message names its session and the
+session's key, which the coordinator drew at open and gave only to that session's
+stages: a data message without it is dropped and counted, never used.
+
+A message is one msgpack header frame, optionally followed by one raw payload frame
+(a residual or logits as little-endian f32, never copied into msgpack). Every header
+carries the protocol version, the message type and a request id; each type's fields
+are checked on receipt (types, ranges, and rows x n_embd x 4 bytes == payload length) before
+anything uses them. A bad message becomes a ProtocolError with a stable code that
+the receiver sends back as an ERROR message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from meshnet.core import errors as E
+from meshnet.core import numerics
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import Sampling
+
+VERSION = 6   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+              # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
+              # 5: the stage's numerics class in READY; 6: each layer's memory in the cost
+
+# message types
+READY = "ready"            # worker -> coordinator: here I am, with my capability
+HEARTBEAT = "heartbeat"    # both ways, on a clock
+GOODBYE = "goodbye"        # worker -> coordinator: shutting down, forget me
+DISCONNECT = "disconnect"  # coordinator -> worker: I do not know you, announce again
+HEALTH = "health"          # coordinator -> worker: stage statistics please
+CAPABILITY = "capability"  # coordinator -> worker: your capability again please
+OPEN = "open"              # coordinator -> worker: open a session, with its key and next hop
+CANCEL = "cancel"          # coordinator -> worker: stop and drop a session
+RELEASE = "release"        # coordinator -> worker: free a session's KV
+SHUTDOWN = "shutdown"      # coordinator -> worker: exit gracefully
+ASSIGN = "assign"          # coordinator -> a worker started with --layers auto: load this range
+# the text requests carry their bulk in the payload frame, and so do their answers (OK +
+# payload), so that no prompt, however long, meets the header's bound
+TOKENIZE = "tokenize"      # coordinator -> worker: UTF-8 text -> token ids (int32), as llama.cpp does for the model
+DETOKENIZE = "detokenize"  # coordinator -> worker: token ids (int32) -> UTF-8 text
+TEMPLATE = "template"      # coordinator -> worker: chat messages (msgpack) -> the prompt text, by the model's chat template
+OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
+ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
+# the data plane
+ACT = "act"                # -> a stage: token ids (head) or residual rows of one session, to run
+TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken / done, the next may come
+TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
+
+MAX_HEADER_BYTES = 64 * 1024
+# what a capability may claim: far above any real model (the largest have under 200
+# layers), and low enough that no claim makes the coordinator's planning or routing
+# costly (both are linear in the layers)
+MAX_LAYERS = 4096
+MAX_EMBD = 1 << 16
+MAX_VOCAB = 1 << 22
+MAX_CTX = 1 << 24
+MAX_BATCH = 1 << 16
+MAX_SESSIONS = 1 << 12
+# the longest text a text request carries: a prompt of many contexts' worth is refused
+# before it is sent (see coordinator.tokenize)
+MAX_TEXT_BYTES = 8 << 20
+U64_MAX = (1 << 64) - 1
+
+
+
+class ProtocolError(MeshnetError):
+    """A message that cannot be used; rid is set when the sender's request id was readable,
+    msg_type when its type was."""
+
+    msg_type: str | None = None
+
+    def __init__(self, code: str, message: str, rid: int | None = None, sid: int | None = None):
+        super().__init__(code, message)
+        self.rid = rid
+        self.sid = sid
+
+
+@dataclass
+class Message:
+    type: str
+    rid: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    payload: bytes | memoryview | None = None
+
+    def __getitem__(self, key: str):
+        return self.fields[key]
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+# field checks: (python types, required, extra check or None)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
+
+
+def _u64(v):
+    return 0 <= v <= U64_MAX
+
+
+def _nonneg(v):
+    return 0 <= v < 1 << 31
+
+
+def _positive(v):
+    return 0 < v < 1 << 31
+
+
+def _tokens(v):
+    return all(_is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
+
+
+def _range(v):
+    return len(v) == 2 and all(_is_int(d) and 0 <= d <= MAX_LAYERS for d in v) and v[0] < v[1]
+
+
+def _at_most(limit):
+    return lambda v: 0 < v <= limit
+
+
+def _seams(v):
+    return len(v) <= 4096 and all(isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(x) for x in s)
+                                  and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
+
+
+def _sampling(v):
+    try:
+        Sampling.from_wire(v)
+        return True
+    except MeshnetError:
+        return False
+
+
+def _messages(v):
+    return 0 < len(v) <= 4096 and all(isinstance(m, dict) and set(m) == {"role", "content"}
+                                      and all(isinstance(x, str) for x in m.values()) for m in v)
+
+
+def _endpoint(v):
+    return 0 < len(v) <= 256 and "://" in v
+
+
+def _sha256(v):
+    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _curve_key(v):
+    return len(v) == 40 and all(c in _Z85 for c in v)
+
+
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _short_text(v):
+    return 0 < len(v) <= 256
+
+
+INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
+
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    READY: {"capability": (DICT, True, None),    # its fields: CAPABILITY_FIELDS
+            "epoch": (INT, False, _u64)},         # one more each time the worker dropped its sessions
+    HEARTBEAT: {},
+    GOODBYE: {},
+    DISCONNECT: {},
+    HEALTH: {},
+    CAPABILITY: {},
+    OPEN: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),                  # the session's data-plane key
+        "stage": (INT, True, lambda v: 0 <= v < 1 << 16),   # this stage's place in the route
+        "next": (STR, True, _endpoint),            # where this stage's output goes (the tail: the head)
+        "reply": (STR, True, _endpoint),           # the coordinator's data endpoint
+        "prompt_len": (INT, True, _positive),
+        "max_tokens": (INT, True, _positive),
+        "stop_at_eog": (BOOL, True, None),
+        "logits": (BOOL, False, None),             # the tail sends each token's logits
+        "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
+        "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
+        "next_key": (STR, False, _curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
+        "prev_key": (STR, False, _curve_key),      # ... and the previous stage's, which may push to this one
+        "sampling": (DICT, False, _sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...
+        "history": (LIST, False, _tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
+    },
+    CANCEL: {"sid": (INT, True, _u64)},
+    RELEASE: {"sid": (INT, True, _u64)},
+    SHUTDOWN: {},
+    ASSIGN: {"layers": (LIST, True, _range)},
+    TOKENIZE: {"add_special": (BOOL, False, None), "parse_special": (BOOL, False, None),
+               "limit": (INT, False, _positive)},          # more tokens than this: context_full, none sent back
+    DETOKENIZE: {},
+    TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
+    OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
+    ERROR: {
+        "code": (STR, True, None),
+        "message": (STR, True, None),
+        "sid": (INT, False, _u64),
+        "context": (DICT, False, None),
+    },
+    # the data plane: every message names its session and carries the session's key
+    ACT: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "tokens": (LIST, False, _tokens),          # the head's input; other stages get n x n_embd f32 rows
+        "ack": (BOOL, False, None),                # a prompt chunk: the head answers TOOK when it has taken it
+        "ts": (INT, False, _u64),                  # the sender's monotonic clock at sending, ns
+        "seams": (LIST, False, _seams),            # [seam, hop_us, bytes] for each seam this step crossed
+    },
+    TOOK: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "head": (BOOL, False, None),               # the head has taken the chunk (it asked: ack)
+        "tail": (BOOL, False, None),               # the tail has finished it (a chunk before the prompt's last)
+    },
+    TOKEN: {
+        "sid": (INT, True, _u64),
+        "key": (INT, True, _u64),
+        "pos": (INT, True, _nonneg),
+        "n": (INT, True, _positive),
+        "token": (INT, True, _nonneg),
+        "eog": (BOOL, True, None),                 # the token ends generation
+        "piece": ((bytes,), False, None),          # the token's text, for streaming
+        "logits_n": (INT, False, _positive),       # with a payload of that many f32
+        "seams": (LIST, False, _seams),            # as in ACT: since the tail's last TOKEN of this session
+    },
+}
+
+
+# What a worker offers in READY. The coordinator routes sessions by these numbers, so
+# they are checked as strictly as a header: a missing or mistyped one refuses the worker.
+CAPABILITY_FIELDS: dict[str, tuple] = {
+    "worker_id": (STR, True, _short_text),       # the same for every connection of one worker process
+    "model_sha256": (STR, True, _sha256),
+    "arch": (STR, True, _short_text),
+    "layers": (LIST, False, _range),             # absent: --layers auto, waiting for the coordinator's plan
+    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
+    "n_embd": (INT, True, _at_most(MAX_EMBD)),
+    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
+    "engine_pin": (STR, True, _short_text),
+    "backend": (STR, True, _short_text),         # "CPU" or "CUDA": part of the compatibility class
+    "device": (STR, False, _short_text),         # the processor the layers run on, by name (once it holds layers)
+    "wire_dtype": (STR, True, lambda v: v == "f32"),
+    "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
+    "max_sessions": (INT, True, _at_most(MAX_SESSIONS)),
+    "n_ctx": (INT, True, _at_most(MAX_CTX)),
+    "n_batch": (INT, True, _at_most(MAX_BATCH)),
+    "admitted_bytes": (INT, True, _u64),
+    "data_endpoint": (STR, False, _endpoint),    # the PULL socket its inputs come to (once it holds layers)
+    "mem_bytes": (INT, False, _u64),             # the memory it admits (--mem): what the planner may give it
+    "cost": (DICT, False, None),                 # the model's per-layer bytes (COST_FIELDS), to plan without the file
+    "clock_id": (STR, True, _short_text),        # host and boot: equal ids share one monotonic clock
+    "n_threads": (INT, False, _positive),        # the engine's compute threads
+    "n_cpus": (INT, False, _positive),           # the CPUs this process may run on
+    "pid": (INT, False, _positive),
+    "max_token_bytes": (INT, False, _at_most(1 << 16)),   # the head: the longest text one token stands for
+}
+
+
+def _checked_fields(schema: dict, values: dict, where: str, rid, sid) -> dict:
+    fields = {}
+    for name, (types, required, check) in schema.items():
+        if name not in values:
+            if required:
+                raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
+            continue
+        value = values[name]
+        if isinstance(value, bool) and bool not in types:
+            value = None  # bool is an int subclass: never accept it as one
+        if value is None or not isinstance(value, types) or (check and not check(value)):
+            raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
+        fields[name] = value
+    unknown = set(values) - set(schema)
+    if unknown:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
+    return fields
+
+
+def _byte_count(v):
+    return 0 <= v < 1 << 48
+
+
+def _per_layer_counts(v):
+    return len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)
+
+
+# a worker's model, as the planner counts it (planner.ModelCost)
+COST_FIELDS: dict[str, tuple] = {
+    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
+    "layer_bytes": (LIST, True, lambda v: len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)),
+    "input_bytes": (INT, True, _byte_count),
+    "output_bytes": (INT, True, _byte_count),
+    "shared_bytes": (INT, True, _byte_count),
+    "tied_embeddings": (BOOL, True, None),
+    "token_embd_bytes": (INT, True, _byte_count),
+    "kv_bytes_per_cell": (INT, True, _byte_count),
+    "n_embd": (INT, True, _at_most(MAX_EMBD)),
+    "n_ff": (INT, True, _nonneg),
+    "n_head": (INT, True, _nonneg),
+    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
+    # per layer (planner.ModelCost): absent when the worker could not read them
+    "layer_kv_bytes": (LIST, False, _per_layer_counts),
+    "layer_window": (LIST, False, _per_layer_counts),
+    "layer_state_bytes": (LIST, False, _per_layer_counts),
+}
+
+
+def check_capability(capability: dict, rid: int | None = None) -> dict:
+    """A READY's capability, checked field by field and for consistency: a worker holds
+    a range (and serves it on its data endpoint), or waits for one within its memory."""
+    fields = _checked_fields(CAPABILITY_FIELDS, capability, "ready: capability", rid, None)
+    where = "ready: capability"
+    if "layers" in fields:
+        if fields["layers"][1] > fields["n_layer"]:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: layers {fields['layers']} are outside a model of "
+                                f"{fields['n_layer']} layers", rid)
+        if "data_endpoint" not in fields:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: a worker that holds layers gives its 'data_endpoint'", rid)
+    elif "mem_bytes" not in fields or "cost" not in fields:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: a worker without layers gives its 'mem_bytes' and the model's "
+                            "'cost' to be planned for", rid)
+    if "cost" in fields:
+        fields["cost"] = _checked_fields(COST_FIELDS, fields["cost"], f"{where}: cost", rid, None)
+        per_layer = [fields["cost"][k] for k in ("layer_kv_bytes", "layer_window", "layer_state_bytes") if k in fields["cost"]]
+        if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"] \
+                or any(len(v) != fields["n_layer"] for v in per_layer) or len(per_layer) not in (0, 3):
+            raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its layers disagree with n_layer {fields['n_layer']}", rid)
+        for name in ("n_embd", "n_vocab"):
+            if fields["cost"][name] != fields[name]:
+                raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its {name} disagrees with {name} {fields[name]}", rid)
+    return fields
+
+
+def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
+    """Frames for a message: [header] or [header, payload]."""
+    header = {"v": VERSION, "type": msg_type, "rid": rid}
+    header.update({k: v for k, v in fields.items() if v is not None})
+    frames = [msgpack.packb(header, use_bin_type=True)]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+def valid_id(value) -> int | None:
+    """A request or session id as the protocol allows it (unsigned 64-bit), else None."""
+    return value if _is_int(value) and _u64(value) else None
+
+
+def error_frames(rid: int | None, code: str, message: str, sid: int | None = None, **context) -> list:
+    """An ERROR reply that is always protocol-valid: ids the peer sent that the protocol
+    does not allow are left out rather than echoed."""
+    return encode(ERROR, valid_id(rid) or 0, code=str(code), message=str(message), sid=valid_id(sid),
+                  context=context or None)
+
+
+def decode(frames: list, max_payload: int) -> Message:
+    """Parse and validate one message; raises ProtocolError with a code on any defect.
+    Frames are bytes or zmq frames (anything with the buffer protocol)."""
+    if not frames or len(frames) > 2:
+        raise ProtocolError(E.MALFORMED, f"a message is 1 or 2 frames, got {len(frames)}")
+    raw = frames[0]
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(E.OVERSIZED, f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(E.MALFORMED, f"header is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(E.MALFORMED, "header is not a map")
+    rid, sid = valid_id(header.get("rid")), valid_id(header.get("sid"))
+    if not _is_int(header.get("v")) or header["v"] != VERSION:  # True and 1.0 are not 1 here
+        raise ProtocolError(E.BAD_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
+    if rid is None:
+        raise ProtocolError(E.BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)
+    msg_type = header.get("type")
+    schema = SCHEMAS.get(msg_type) if isinstance(msg_type, str) else None
+    if schema is None:
+        raise ProtocolError(E.UNKNOWN_TYPE, f"unknown message type {msg_type!r}", rid, sid)
+
+    body = {k: v for k, v in header.items() if k not in ("v", "type", "rid")}
+    try:
+        fields = _checked_fields(schema, body, msg_type, rid, sid)
+        if msg_type == READY:
+            fields["capability"] = check_capability(fields["capability"], rid)
+    except ProtocolError as e:
+        e.msg_type = msg_type
+        raise
+
+    payload = None
+    if len(frames) == 2:
+        payload = frames[1]
+        if len(payload) > max_payload:
+            raise ProtocolError(E.OVERSIZED, f"payload of {len(payload)} bytes is over the {max_payload}-byte limit", rid, sid)
+    return Message(msg_type, rid, fields, payload)
+
+
+def recv_frames(sock, max_frames: int, max_bytes: int) -> tuple[list, str | None]:
+    """One whole message from a socket that poll() said is readable, as (frames, None),
+    or ([first frame], why) when it has more frames or bytes than any valid message. zmq's
+    MAXMSGSIZE bounds each frame, not their number: an over-long message's frames are
+    received one at a time and let go at once, never gathered, and never copied into
+    Python objects (they stay zmq frames; the payload is passed on as a view)."""
+    frames, total, why = [], 0, None
+    while True:
+        frame = sock.recv(copy=False)
+        total += len(frame)
+        if why is None:
+            if len(frames) == max_frames:
+                why = f"a message has at most {max_frames} frames here"
+            elif total > max_bytes:
+                why = f"a message has at most {max_bytes} bytes here"
+            else:
+                frames.append(frame)
+        if not frame.more:
+            break
+    if why is not None:
+        return frames[:1], why  # the first frame alone: a ROUTER's peer identity, to answer
+    return frames, None
+
+
+def text_payload(msg: Message) -> str:
+    """A text request's text: its payload, UTF-8, at most MAX_TEXT_BYTES."""
+    data = _bulk(msg)
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the text is not UTF-8 (byte {e.start})", msg.rid) from None
+
+
+def tokens_payload(msg: Message, n_vocab: int) -> list[int]:
+    """A payload of token ids: little-endian int32, each below n_vocab."""
+    data = _bulk(msg)
+    if len(data) % 4:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: {len(data)} bytes are not whole int32 token ids", msg.rid)
+    tokens = np.frombuffer(data, dtype="<i4")
+    if len(tokens) and not (0 <= int(tokens.min()) and int(tokens.max()) < n_vocab):
+        raise ProtocolError(E.BAD_TOKEN, f"{msg.type}: a token id is outside the vocabulary of {n_vocab}", msg.rid)
+    return tokens.tolist()
+
+
+def messages_payload(msg: Message) -> list[dict]:
+    """A TEMPLATE's chat messages: a msgpack list of {"role": text, "content": text}."""
+    try:
+        messages = msgpack.unpackb(bytes(_bulk(msg)), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the messages are not valid msgpack: {type(e).__name__}",
+                            msg.rid) from None
+    if not isinstance(messages, list) or not _messages(messages):
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the messages are not a list of 1 to 4096 "
+                            "{'role': text, 'content': text}", msg.rid)
+    return messages
+
+
+def tokens_frame(tokens) -> memoryview:
+    return np.ascontiguousarray(tokens, dtype="<i4").data
+
+
+def _bulk(msg: Message):
+    if msg.payload is None:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: its bulk comes as a payload frame", msg.rid)
+    if len(msg.payload) > MAX_TEXT_BYTES:
+        raise ProtocolError(E.OVERSIZED, f"{msg.type}: a payload of {len(msg.payload)} bytes is over the "
+                            f"{MAX_TEXT_BYTES}-byte limit of a text request", msg.rid)
+    return msg.payload
+
+
+def f32_payload(array: np.ndarray):
+    """Residual rows or logits as a raw little-endian f32 frame, without a copy when the
+    array already is contiguous f32."""
+    return np.ascontiguousarray(array, dtype="<f4").data
+
+
+def residual_from(msg: Message, width: int) -> np.ndarray:
+    """The residual rows of an ACT, checked: n rows of WIDTH (the stage's seam_width: n_embd,
+    or more where state beside the residual crosses) little-endian f32, exactly."""
+    n = msg["n"]
+    if msg.payload is None or msg.get("tokens") is not None:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: this stage takes {n} residual rows as a payload frame, "
+                            "not token ids", msg.rid, msg.get("sid"))
+    size = len(msg.payload)
+    if size != n * width * 4:
+        got = size / (4 * n)
+        raise ProtocolError(E.BAD_WIDTH if got.is_integer() else E.BAD_PAYLOAD,
+                            f"{msg.type}: a payload of {size} bytes is not {n} rows x {width} x f32 "
+                            f"({n * width * 4} bytes)", msg.rid, msg.get("sid"))
+    return np.frombuffer(msg.payload, dtype="<f4").reshape(n, width)

@@ -1,0 +1,2 @@
+"""meshnet serve: the OpenAI-compatible HTTP app over a route. Imports core, engine, net,
+route and launch."""

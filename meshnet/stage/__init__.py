@@ -1,0 +1,2 @@
+"""A stage worker: the process that holds a layer range and the loop that feeds it. Imports
+core, engine and net."""

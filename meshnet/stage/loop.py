@@ -1,0 +1,537 @@
+"""A stage worker's compute thread: the data plane of one stage.
+
+It owns the stage (every engine call happens here), the PULL socket its inputs come to,
+and a PUSH socket per next hop. The hot path has no thread hand-off: this thread reads
+an activation from its data socket, runs it (batched with every other waiting decode
+step), and sends the result on itself: residual rows to the next stage, or, at the
+tail, the token to the coordinator and, in decode, the next step straight back to the
+head. Control (open, release, cancel, text) reaches it from the worker's socket loop
+through a job queue, woken by an inproc pair that also carries the replies back.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.core.generation import StopRule, tail_step
+from meshnet.core.metrics import percentiles
+from meshnet.core.sampling import Sampling
+from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
+from meshnet.engine.binding import Stage
+from meshnet.net import protocol as P
+from meshnet.net import security, sockets
+from meshnet.net.security import Gatekeeper, KeyPair
+
+STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
+HOPS_PERIOD = 1.0         # seconds between hop percentiles in them (a sort of up to HOPS_KEPT values)
+RECV_BURST = 256          # data messages read before computing: all that is waiting, within reason
+GATHER_MAX = 0.03         # seconds a gathering head holds decode steps back for the other decoding sessions
+HOPS_KEPT = 10_000
+SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
+MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
+
+
+class JobKind(enum.Enum):
+    """What the socket loop asks of the stage loop; the value names it on the pair between them."""
+    OPEN = "open"
+    RELEASE = "release"
+    CANCEL = "cancel"
+    RELEASE_ALL = "release_all"   # the worker's own, when its coordinator is gone
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    TEMPLATE = "template"
+
+    @property
+    def queue(self) -> str | None:
+        """The bounded queue a job of this kind waits in (None: the worker's own, unbounded)."""
+        if self is JobKind.RELEASE_ALL:
+            return None
+        return "text" if self in (JobKind.TOKENIZE, JobKind.DETOKENIZE, JobKind.TEMPLATE) else "control"
+
+
+# the pair's kind frame of a session's failure, which no job asked for
+SESSION_FAILED = b"session"
+
+
+@dataclass
+class Job:
+    kind: JobKind
+    rid: int
+    epoch: int                 # which coordinator connection asked; replies to old ones are dropped
+    sid: int | None = None
+    msg: P.Message | None = None
+
+
+@dataclass
+class StageSession:
+    """What a stage knows of one session: its key, where its outputs go, and (the tail)
+    when it ends."""
+
+    sid: int
+    key: int
+    stage: int                 # this stage's place in the route
+    next_hop: str
+    reply: str
+    prompt_len: int
+    rule: StopRule
+    want_logits: bool
+    hop_clock: bool
+    gather: bool = False       # the head: wait for every decoding session's step (stages share the CPUs)
+    decoding: bool = False     # the head has had a decode step of it
+    n_generated: int = 0
+    seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
+
+
+@dataclass
+class Input:
+    """What travels with a waiting step: its session, the seams it crossed, whether the
+    coordinator wants to hear that the head took it."""
+
+    session: StageSession
+    seams: list
+    ack: bool
+    arrived: float = 0.0       # time.monotonic() at receipt
+
+
+@dataclass
+class DataCurve:
+    """CURVE on the data plane: this stage's keys, the coordinator's public key, and the
+    allow-list of its data endpoint (the coordinator, then each session's previous stage)."""
+
+    keys: KeyPair
+    coordinator_key: bytes
+    gatekeeper: Gatekeeper
+
+
+class StageLoop(threading.Thread):
+    def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
+                 max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None,
+                 curve: DataCurve | None = None):
+        super().__init__(name="meshnet-stage", daemon=True)
+        self.stage = stage
+        self.info = stage.info()
+        self.ctx = ctx
+        self.max_queue = max_queue
+        self.max_payload = max_payload
+        self.test_fault = test_fault
+        self.cpu = cpu
+        self.curve = curve
+        self.jobs: collections.deque[Job | None] = collections.deque()
+        self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
+                          JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
+                          JobKind.TOKENIZE: self._do_tokenize, JobKind.DETOKENIZE: self._do_detokenize,
+                          JobKind.TEMPLATE: self._do_template}
+        self.pair = ctx.socket(zmq.PAIR)
+        self.pair.connect(control_endpoint)
+        self.data = sockets.data_pull(ctx, max_frame=2 * (max_payload + P.MAX_HEADER_BYTES))
+        if curve is not None:
+            security.serve(self.data, curve.keys)
+        try:
+            self.data.bind(data_bind)
+        except zmq.ZMQError as e:
+            self.data.close(linger=0)
+            self.pair.close(linger=0)
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
+        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pushes: dict[str, zmq.Socket] = {}
+        self.push_keys: dict[str, bytes] = {}   # the CURVE key of the peer behind each endpoint, told at open
+        self.pushes_opened: collections.Counter[str] = collections.Counter()   # by mechanism: the links that outlived their session
+        self.sessions: dict[int, StageSession] = {}
+        self.waiting: collections.deque[Step] = collections.deque()
+        self.lock = threading.Lock()
+        # sessions whose steps must not run: set by a CANCEL at once, cleared by its job
+        self.cancelled: set[int] = set()
+        self.running: set[int] = set()
+        self.epoch = 0             # the socket loop's current coordinator connection
+        self.errors: collections.Counter = collections.Counter()    # sessions failed here, by code
+        self.dropped: collections.Counter = collections.Counter()   # data messages not used, by reason
+        self.forwards = 0
+        self.batched_entries = 0
+        self.compute_us_total = 0
+        self.seam_bytes_in = 0
+        self.hops_us: collections.deque = collections.deque(maxlen=HOPS_KEPT)
+        self.stats: dict = {}      # a snapshot, read by the socket loop
+        self._stats_at = self._hops_at = 0.0
+        self._hops = percentiles(())
+        self._refresh_stats()
+
+    # ---- called from the socket loop ---------------------------------------------------
+
+    def submit(self, job: Job | None) -> None:
+        self.jobs.append(job)
+
+    def cancel(self, sid: int) -> None:
+        """Stop a session at once: its waiting steps will not run, and a forward call
+        running for it alone is aborted (one shared with other sessions runs on; the
+        session's part of it is dropped)."""
+        with self.lock:
+            self.cancelled.add(sid)
+            if self.running and self.running <= self.cancelled:
+                self.stage.abort()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})   # this thread only; the engine's other threads keep theirs
+        poller = zmq.Poller()
+        poller.register(self.pair, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        while True:
+            hold = self._gather_wait() if self.waiting else STATS_PERIOD
+            events = dict(poller.poll(math.ceil(hold * 1000) if hold else 0))
+            if self.pair in events:
+                while self.pair.poll(0):
+                    self.pair.recv()     # wake-ups: the jobs themselves are in the deque
+            if self.jobs and not self._run_jobs():
+                break
+            if self.data in events:
+                self._receive_burst()
+            if self.waiting and not self._gather_wait():
+                self._run_one_batch()
+            if time.monotonic() - self._stats_at > STATS_PERIOD:
+                self._refresh_stats()
+        self._close()
+
+    def _run_jobs(self) -> bool:
+        while self.jobs:
+            job = self.jobs.popleft()
+            if job is None:
+                return False
+            try:
+                self._handlers[job.kind](job)
+            except MeshnetError as e:
+                self._error_reply(job, e)
+            except Exception as e:  # a bug must not kill the worker: report it and go on
+                self._error_reply(job, MeshnetError(E.INTERNAL, f"{type(e).__name__}: {e}"))
+        self._refresh_stats()
+        return True
+
+    def _close(self) -> None:
+        for sock in self.pushes.values():
+            sock.close(linger=0)
+        self.data.close(linger=0)
+        self.pair.close(linger=0)
+
+    def _refresh_stats(self) -> None:
+        try:
+            info = self.stage.info()
+        except MeshnetError:
+            return
+        now = time.monotonic()
+        if now - self._hops_at > HOPS_PERIOD:
+            self._hops = percentiles(self.hops_us)
+            self._hops_at = now
+        hops = self._hops
+        # one assignment: the socket loop reads whole snapshots, never a half-written one
+        self.stats = {
+            "layers": [info.layer_start, info.layer_end],
+            "n_sessions": info.n_sessions,
+            "kv_bytes": info.kv_bytes,
+            "kv_bytes_used": info.kv_bytes_used,
+            "model_bytes": info.model_bytes,
+            "compute_bytes": info.compute_bytes,
+            "vram_bytes": info.device_bytes,
+            "forwards": self.forwards,
+            "batched_entries": self.batched_entries,
+            "compute_us_total": self.compute_us_total,
+            "waiting": len(self.waiting),
+            "seam_bytes_in": self.seam_bytes_in,
+            "hop_in_us_p50": hops["p50"],
+            "hop_in_us_p99": hops["p99"],
+            "dropped": dict(self.dropped),
+            "errors": dict(self.errors),
+            "data_endpoint": self.data_endpoint,
+            # what each data link really runs, as ZeroMQ reports it
+            "mechanisms": {"data": security.mechanism(self.data),
+                           "pushes": {endpoint: security.mechanism(sock) for endpoint, sock in self.pushes.items()},
+                           "pushes_opened": dict(self.pushes_opened)},
+            "refused_peers": self.curve.gatekeeper.refusals if self.curve else 0,
+        }
+        self._stats_at = now
+
+    # ---- control jobs --------------------------------------------------------------------
+
+    def _reply(self, job: Job, frames: list) -> None:
+        # a HEALTH that comes after this reply must see what the job did (a session opened)
+        self._refresh_stats()
+        # the socket loop needs to know which connection asked and which bound frees up
+        self.pair.send_multipart([job.epoch.to_bytes(8, "little"), job.kind.value.encode(), *frames], copy=False)
+
+    def _error_reply(self, job: Job, error: MeshnetError) -> None:
+        self.errors[error.code] += 1
+        self._reply(job, P.error_frames(job.rid, error.code, error.message, sid=job.sid))
+
+    def _do_open(self, job: Job) -> None:
+        m = job.msg
+        if (m["stage"] == 0) != self.info.is_head:
+            raise MeshnetError(E.BAD_FIELD, f"open: stage {m['stage']} is not this stage's place: it "
+                               + ("is the head (stage 0)" if self.info.is_head else "comes after the head"))
+        if self.curve is not None:
+            if m.get("next_key") is None or m.get("prev_key") is None:
+                raise MeshnetError(E.BAD_FIELD, "open: a stage serving CURVE needs the keys of its neighbours "
+                                   "(next_key, prev_key)")
+            self.curve.gatekeeper.allow(m["prev_key"].encode())
+        sampling = Sampling.from_wire(m["sampling"]) if m.get("sampling") is not None else None
+        history = m.get("history")
+        if sampling is not None and not self.info.is_tail:
+            raise MeshnetError(E.BAD_FIELD, "open: sampling is the tail's: this stage comes before it")
+        if sampling is not None and (history is None or len(history) != m["prompt_len"]):
+            raise MeshnetError(E.BAD_FIELD, f"open: sampling needs the prompt's {m['prompt_len']} tokens as history, "
+                               f"got {None if history is None else len(history)}")
+        self.stage.open_session(job.sid)
+        try:
+            self.stage.set_sampling(job.sid, sampling, history or ())
+        except MeshnetError:
+            self.stage.release_session(job.sid)
+            raise
+        self.sessions[job.sid] = StageSession(
+            job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
+            StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
+            gather=m.get("gather", False))
+        # the links are made at the session's first step, not now: with CURVE the next
+        # stage lets this one in only once its own OPEN has named it, and a handshake it
+        # refused is never tried again; the first step comes after every stage's OPEN
+        self.push_keys[m["next"]] = m.get("next_key", "").encode()
+        self.push_keys[m["reply"]] = self.curve.coordinator_key if self.curve else b""
+        with self.lock:
+            self.cancelled.discard(job.sid)  # a new session under this id starts clean
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _forget(self, sid: int) -> None:
+        session = self.sessions.pop(sid, None)
+        if any(s.sid == sid for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if s.sid != sid)
+        if session is not None:
+            self.stage.release_session(sid)
+            in_use = {e for s in self.sessions.values() for e in (s.next_hop, s.reply)}
+            for endpoint in (session.next_hop, session.reply):
+                if endpoint not in in_use:
+                    self.push_keys.pop(endpoint, None)
+                    if endpoint in self.pushes:
+                        self.pushes.pop(endpoint).close(linger=0)
+
+    def _do_release(self, job: Job) -> None:
+        if job.sid not in self.sessions:
+            raise MeshnetError(E.UNKNOWN_SESSION, f"session {job.sid} is not open on this stage")
+        self._forget(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_cancel(self, job: Job) -> None:
+        self._forget(job.sid)
+        with self.lock:  # the steps received before this job have seen the cancel: forget it
+            self.cancelled.discard(job.sid)
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+
+    def _do_release_all(self, job: Job) -> None:
+        for sid in list(self.sessions):
+            self._forget(sid)
+        with self.lock:
+            self.cancelled.clear()
+
+    def _do_tokenize(self, job: Job) -> None:
+        m = job.msg
+        tokens = self.stage.tokenize(P.text_payload(m), m.get("add_special", True), m.get("parse_special", False))
+        limit = m.get("limit")
+        if limit is not None and len(tokens) > limit:   # the caller wants no text it cannot use
+            raise MeshnetError(E.CONTEXT_FULL, f"the text is {len(tokens)} tokens, more than the {limit} asked for",
+                               n_tokens=len(tokens))
+        self._reply(job, P.encode(P.OK, job.rid, payload=P.tokens_frame(tokens)))
+
+    def _do_detokenize(self, job: Job) -> None:
+        tokens = P.tokens_payload(job.msg, self.stage.n_vocab)
+        self._reply(job, P.encode(P.OK, job.rid, payload=self.stage.detokenize(tokens).encode()))
+
+    def _do_template(self, job: Job) -> None:
+        text = self.stage.chat_template(P.messages_payload(job.msg), job.msg.get("add_generation_prompt", True))
+        self._reply(job, P.encode(P.OK, job.rid, payload=text.encode(errors="surrogatepass")))
+
+    # ---- the data plane ------------------------------------------------------------------
+
+    def _session_failed(self, session: StageSession, error: MeshnetError) -> None:
+        """Tell the coordinator, which ends the session everywhere; the stage goes on."""
+        self.errors[error.code] += 1
+        self.pair.send_multipart([self.epoch.to_bytes(8, "little"), SESSION_FAILED,
+                                  *P.error_frames(0, error.code, error.message, sid=session.sid,
+                                                  stage=f"[{self.info.layer_start},{self.info.layer_end})")])
+
+    def _receive_burst(self) -> None:
+        for _ in range(RECV_BURST):
+            if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames, why = P.recv_frames(self.data, 2, self.max_payload + P.MAX_HEADER_BYTES)
+            if why is not None:
+                self.dropped[E.OVERSIZED] += 1
+                continue
+            self._accept(frames, time.monotonic_ns())
+
+    def _accept(self, frames: list, t_ns: int) -> None:
+        """Check one data message; only one that names an open session with its key can
+        touch that session (anything else is dropped and counted: a PULL has no one to
+        answer)."""
+        try:
+            msg = P.decode(frames, self.max_payload)
+        except P.ProtocolError as e:
+            self.dropped[e.code] += 1
+            return
+        if msg.type != P.ACT:
+            self.dropped[E.UNKNOWN_TYPE] += 1
+            return
+        session = self.sessions.get(msg["sid"])
+        if session is None:
+            self.dropped[E.UNKNOWN_SESSION] += 1   # a stranger's, or a session just ended
+            return
+        if session.key != msg["key"]:
+            self.dropped[E.BAD_KEY] += 1
+            return
+        if msg["sid"] in self.cancelled:
+            self.dropped[E.CANCELLED] += 1
+            return
+        try:
+            step = self._step(session, msg, sum(len(f) for f in frames), t_ns)
+        except MeshnetError as e:
+            self._session_failed(session, e)
+            return
+        self.waiting.append(step)
+
+    def _step(self, session: StageSession, msg: P.Message, nbytes: int, t_ns: int) -> Step:
+        n = msg["n"]
+        if n > self.info.n_batch:
+            raise MeshnetError(E.BAD_FIELD, f"n={n} is over this stage's n_batch {self.info.n_batch}")
+        if len(self.waiting) >= self.max_queue:
+            raise MeshnetError(E.BUSY, f"{len(self.waiting)} steps are already waiting on this stage; try again later")
+        # a step into stage k has crossed seams 0..k-1 at most: anything more is not ours to keep
+        seams = list(msg.get("seams", ()))[: max(session.stage - 1, 0)]
+        if self.info.is_head:
+            tokens = msg.get("tokens")
+            if tokens is None or len(tokens) != n or msg.payload is not None:
+                raise MeshnetError(E.BAD_PAYLOAD, f"the head stage takes n={n} token ids and no payload")
+            step = Step(msg["sid"], msg["pos"], n, tokens=tokens)
+        else:
+            step = Step(msg["sid"], msg["pos"], n, residual=P.residual_from(msg, self.info.seam_width))
+            hop_us = (t_ns - msg["ts"]) // 1000 if session.hop_clock and "ts" in msg.fields else -1
+            hop_us = -1 if not 0 <= hop_us <= MAX_SEAM_FIELD else hop_us   # a sender's odd clock is not a measurement
+            if hop_us >= 0:
+                self.hops_us.append(hop_us)
+            self.seam_bytes_in += nbytes
+            seams.append([session.stage - 1, hop_us, nbytes])
+        step.want_logits = self.info.is_tail and session.want_logits
+        step.meta = Input(session, seams, bool(msg.get("ack")), time.monotonic())
+        if self.info.is_head and not msg.get("ack"):
+            session.decoding = True
+        return step
+
+    def _gather_wait(self) -> float:
+        """Seconds to hold the waiting decode steps back, 0 to compute now. A head whose
+        stages share this machine's CPUs gathers every decoding session's step into one
+        forward call: the sessions then go round the ring together, one stage computing at a
+        time, as they would in one process, instead of splitting into groups whose stages
+        compute at once and fight for the same cores."""
+        if not self.info.is_head or any(s.n > 1 or not s.meta.session.gather for s in self.waiting):
+            return 0.0
+        here = {s.sid for s in self.waiting}
+        if all(sid in here for sid, session in self.sessions.items() if session.gather and session.decoding):
+            return 0.0
+        return max(0.0, GATHER_MAX - (time.monotonic() - min(s.meta.arrived for s in self.waiting)))
+
+    def _run_one_batch(self) -> None:
+        with self.lock:
+            steps = [s for s in take_batch(self.waiting, self.info.max_sessions, self.info.n_batch)
+                     if s.sid not in self.cancelled]
+            self.running = {s.sid for s in steps}
+        if not steps:
+            return
+        started = time.perf_counter_ns()
+        try:
+            results = run_batch(self.stage, steps)
+        finally:
+            with self.lock:
+                self.running = set()
+        self.compute_us_total += (time.perf_counter_ns() - started) // 1000
+        self.forwards += 1
+        self.batched_entries += len(steps)
+        for result in results:
+            self._pass_on(result)
+
+    def _pass_on(self, result: StepResult) -> None:
+        step, inp = result.step, result.step.meta
+        session = inp.session
+        if step.sid in self.cancelled or self.sessions.get(step.sid) is not session:
+            self.dropped[E.CANCELLED] += 1   # cancelled while it ran: its part goes nowhere
+            return
+        if result.error is not None:
+            if result.error.code != E.ABORTED:
+                self._session_failed(session, result.error)
+            return
+        head_took = self.info.is_head and inp.ack
+        # the tail says when it finished a prompt chunk before the last: the coordinator
+        # feeds the head no faster than the stages after it can follow
+        tail_took = self.info.is_tail and step.pos + step.n < session.prompt_len
+        if head_took or tail_took:
+            self._send(session, session.reply, P.encode(P.TOOK, 0, sid=step.sid, key=session.key, pos=step.pos,
+                                                        n=step.n, head=head_took or None, tail=tail_took or None))
+        if not self.info.is_tail:
+            self._send(session, session.next_hop,
+                       P.encode(P.ACT, 0, payload=P.f32_payload(result.residual), sid=step.sid, key=session.key,
+                                pos=step.pos, n=step.n, seams=inp.seams or None, ts=time.monotonic_ns()))
+            return
+        token = result.token
+        is_eog = self.stage.is_eog(token)
+        is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated, step.pos, step.n, is_eog)
+        session.seams.extend(inp.seams)
+        if len(session.seams) > SEAMS_KEPT:  # a long prompt before the first token: keep totals per seam
+            totals: dict[int, int] = collections.Counter()
+            for seam, _, nbytes in session.seams:
+                totals[seam] += nbytes
+            session.seams = [[seam, -1, min(nbytes, MAX_SEAM_FIELD)] for seam, nbytes in sorted(totals.items())]
+        if feed_head:  # the next decode step first: it is the critical path
+            self._send(session, session.next_hop,
+                       P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=step.pos + step.n, n=1, tokens=[token]))
+        if is_token:
+            session.n_generated += 1
+            logits = result.logits
+            if self.test_fault == "wrong_logits" and logits is not None:
+                logits = logits + 0.25
+            self._send(session, session.reply, P.encode(
+                P.TOKEN, 0, payload=None if logits is None else P.f32_payload(logits), sid=step.sid, key=session.key,
+                pos=step.pos, n=step.n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
+                logits_n=None if logits is None else len(logits), seams=session.seams or None))
+            session.seams = []
+
+    def _push(self, endpoint: str) -> zmq.Socket:
+        """The PUSH to ENDPOINT, made at a session's first step there (with the CURVE key
+        of the stage or coordinator behind it) and kept for the sessions after it."""
+        sock = self.pushes.get(endpoint)
+        if sock is None:
+            server_key = self.push_keys.get(endpoint, b"")
+            sock = sockets.data_push(self.ctx)
+            if self.curve is not None:
+                security.client(sock, self.curve.keys, server_key)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {endpoint!r}: {e.strerror}") from None
+            self.pushes[endpoint] = sock
+            self.pushes_opened[security.mechanism(sock)] += 1
+        return sock
+
+    def _send(self, session: StageSession, endpoint: str, frames: list) -> None:
+        try:
+            self._push(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._session_failed(session, MeshnetError(
+                E.HOP_UNREACHABLE, f"stage [{self.info.layer_start},{self.info.layer_end}) could not pass session "
+                f"{session.sid} on to {endpoint}: nothing takes from it"))
+        except MeshnetError as e:
+            self._session_failed(session, e)

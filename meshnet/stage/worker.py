@@ -1,0 +1,553 @@
+"""A stage worker: one layer range of one model, served to a coordinator over ZeroMQ.
+
+This module is the control plane: one DEALER to the coordinator, heartbeats both ways,
+health, and open/release/cancel handed to the stage loop (stage_loop.py), which owns
+the engine and the data plane. A worker started with `--layers auto` loads nothing at
+first: it announces the memory it admits and the model's per-layer bytes, and loads the
+range the coordinator's planner assigns it (in a thread, so heartbeats go on). The socket loop here never computes and never touches
+an activation. The worker holds no routing knowledge beyond what the coordinator told
+it at open (each session's next hop): it runs its fixed layer range on what it is
+given, and nothing else (no generic tensor or graph execution).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from meshnet.core import defaults
+from meshnet.core import errors as E
+from meshnet.core import numerics as numerics_classes
+from meshnet.core.errors import MeshnetError
+from meshnet.core.metrics import rss_bytes
+from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
+from meshnet.engine.binding import Stage, engine_pin
+from meshnet.net import addresses
+from meshnet.net import protocol as P
+from meshnet.net import security, sockets
+from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, Wakefulness
+from meshnet.net.security import Gatekeeper, KeyPair
+from meshnet.stage.loop import SESSION_FAILED, DataCurve, Job, JobKind, StageLoop
+
+log = logging.getLogger("meshnet.stage.worker")
+
+MAX_QUEUE = 16            # steps waiting on the stage before "busy"
+MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect scheduled: libzmq gave up
+RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
+LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
+# test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
+# so that tests can prove `meshnet accept` notices; never set outside tests
+TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
+
+
+@dataclass
+class WorkerConfig:
+    coordinator: str
+    model_path: str
+    layers: tuple[int, int] | None
+    model_sha256: str
+    n_ctx: int = defaults.N_CTX
+    max_sessions: int = defaults.MAX_SESSIONS
+    n_batch: int = defaults.N_BATCH
+    n_threads: int = 0
+    max_queue: int = MAX_QUEUE
+    data_bind: str = "tcp://127.0.0.1:0"   # the data endpoint: loopback unless told otherwise
+    cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
+    mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
+    keys: KeyPair | None = None            # this worker's CURVE keys: the control link is encrypted and authenticated
+    coordinator_key: bytes | None = None   # ... to the coordinator holding this public key
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS
+    gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
+    numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
+
+    @property
+    def numerics_class(self) -> str:
+        return self.numerics or numerics_classes.default_for(self.gpu)
+
+
+def reachable(endpoint: str, coordinator: str) -> str:
+    """A coordinator bound to every interface advertises a wildcard host for its data
+    endpoint: reach it on the host its control socket was reached on."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host in ("*", "0.0.0.0", "[::]", "::"):
+        coordinator_host = coordinator.partition("://")[2].rpartition(":")[0]
+        return f"tcp://{coordinator_host}:{port}"
+    return endpoint
+
+
+def advertised(endpoint: str, coordinator: str) -> str:
+    """A data endpoint bound to every interface (tcp://0.0.0.0:P) is useless to a peer as
+    written: advertise the address this host reaches the coordinator from, which the
+    other stages, on the coordinator's side of the network, can reach too."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in ("*", "0.0.0.0", "[::]", "::"):
+        return endpoint
+    coordinator_host, _, coordinator_port = coordinator.partition("://")[2].rpartition(":")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(coordinator_host.strip("[]"), int(coordinator_port),
+                                                      type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)   # UDP: no packet is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except (OSError, ValueError, IndexError):
+        return endpoint
+    return f"tcp://{f'[{local}]' if ':' in local else local}:{port}"
+
+
+def clock_id() -> str:
+    """Equal on processes that share one monotonic clock (one booted kernel; network
+    namespaces included), so a hop between them can be timed from two timestamps."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return "boot:" + f.read().strip()
+    except OSError:
+        return "process:" + uuid.uuid4().hex   # unknown: never equal, hops are not timed
+
+
+class StageWorker:
+    def __init__(self, config: WorkerConfig):
+        addresses.checked(config.coordinator, "--coordinator")   # before the model loads: a typo fails at once
+        addresses.checked(config.data_bind, "--data-bind")
+        self.config = config
+        self.ctx = zmq.Context()
+        if config.cpu is not None:
+            # the I/O thread that receives an activation wakes the stage loop on its own CPU:
+            # a wake-up on a CPU already running costs far less than one on an idle CPU
+            self.ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, config.cpu)
+        self.results = self.ctx.socket(zmq.PAIR)
+        self.results_endpoint = f"inproc://meshnet-stage-{uuid.uuid4().hex}"
+        self.results.bind(self.results_endpoint)
+        self.stage: Stage | None = None
+        self.loop: StageLoop | None = None
+        self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
+        self.worker_id = uuid.uuid4().hex
+        self.handshake_failures = 0
+        self.gatekeeper: Gatekeeper | None = None
+        if config.layers is not None:
+            self._serve(self._load(config.layers))
+        else:
+            self._wait_for_a_range()
+        self.dealer: zmq.Socket | None = None
+        self.epoch = 0
+        self.holds_sessions = False   # an OPEN came since the sessions were last all dropped
+        # jobs waiting for the stage loop, by kind, each with its own bound
+        self.queued: collections.Counter = collections.Counter()
+        self.queue_limits = {"text": MAX_TEXT_JOBS, "control": 4 * config.max_sessions + 16}
+        self.recent_rids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.stopping = False
+        self.requests: collections.Counter = collections.Counter()   # by message type
+        self.errors: collections.Counter = collections.Counter()     # refused at the socket loop, by code
+        self.handlers = {
+            P.HEALTH: self._health,
+            P.CAPABILITY: self._capability,
+            P.OPEN: self._control,
+            P.RELEASE: self._control,
+            P.CANCEL: self._cancel,
+            P.SHUTDOWN: self._shutdown,
+            P.TOKENIZE: self._tokenize,
+            P.DETOKENIZE: self._detokenize,
+            P.TEMPLATE: self._template,
+            P.ASSIGN: self._assign,
+        }
+
+    def _load(self, layers) -> Stage:
+        """The engine stage for these layers, as this worker's options say."""
+        config = self.config
+        return Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
+                     n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
+                     numerics=config.numerics_class)
+
+    @property
+    def max_control_payload(self) -> int:
+        """The largest payload the control socket takes: a residual's, or a text request's."""
+        return max(self.max_payload, P.MAX_TEXT_BYTES)
+
+    def _common_capability(self, n_layer: int, arch: str, n_embd: int, n_vocab: int) -> dict:
+        return {
+            "model_sha256": self.config.model_sha256,
+            "arch": arch,
+            "n_layer": n_layer,
+            "n_embd": n_embd,
+            "n_vocab": n_vocab,
+            "engine_pin": engine_pin(self.config.gpu),
+            # until a range is loaded the engine has not named its backend; the GPU engine is CUDA's
+            "backend": "CUDA" if self.config.gpu else "CPU",
+            "wire_dtype": "f32",
+            "numerics": self.config.numerics_class,
+            "max_sessions": self.config.max_sessions,
+            "n_ctx": self.config.n_ctx,
+            "n_batch": self.config.n_batch,
+            "clock_id": clock_id(),
+            "n_threads": self.config.n_threads or len(os.sched_getaffinity(0)),
+            "n_cpus": len(os.sched_getaffinity(0)),
+            "pid": os.getpid(),
+            # one id for every connection this process makes: a coordinator that gets a
+            # READY from a new connection drops the old one, whatever it still delivers
+            "worker_id": self.worker_id,
+            **({"mem_bytes": self.config.mem} if self.config.mem is not None else {}),
+        }
+
+    def _wait_for_a_range(self) -> None:
+        """--layers auto: announce the budget and the model's costs, hold nothing yet."""
+        from meshnet.engine.gguf_layout import read_layout
+
+        from meshnet.engine.binding import layer_memory
+
+        layout = read_layout(self.config.model_path)
+        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
+        self.max_payload = self.config.n_batch * layout.n_embd * 4   # as it will be: bounds the control socket too
+        self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
+                               admitted_bytes=self.config.mem, cost=self.cost.to_dict())
+
+    def _serve(self, stage: Stage) -> None:
+        """Hold STAGE: its stage loop and data endpoint, and a capability that offers it."""
+        self.stage = stage
+        info = stage.info()
+        self.info = info
+        self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
+                               layers=[info.layer_start, info.layer_end], backend=info.backend, device=info.device,
+                               admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
+        if info.is_head:   # the coordinator refuses a text too long for any context before sending it here
+            self.capability["max_token_bytes"] = max(len(stage.detokenize_bytes([t])) for t in range(info.n_vocab))
+        self.max_payload = max(info.n_batch * info.seam_width, 1) * 4
+        curve = None
+        if self.config.keys is not None:
+            # the data endpoint lets in the coordinator, and each session's previous stage
+            # once the coordinator has named it at open
+            self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
+            curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
+        self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
+                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve)
+        self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
+
+    # connection
+
+    def _connect(self) -> None:
+        """One DEALER, kept: libzmq reconnects it with its own back-off when the
+        coordinator goes away; IMMEDIATE queues nothing while there is no connection, so a
+        coordinator that comes back gets no stale backlog, only our heartbeats, and
+        answers the first of them with DISCONNECT: we announce again. Only when libzmq
+        gives a connection up for good (a protocol error, such as a frame over
+        MAXMSGSIZE) is the socket made anew; its monitor says when."""
+        if self.dealer is not None:
+            self.dealer.disable_monitor()
+            self.monitor.close(linger=0)
+            self.dealer.close(linger=0)
+        sock = sockets.control_dealer(self.ctx, max_frame=2 * (self.max_control_payload + P.MAX_HEADER_BYTES))
+        if self.config.keys is not None:
+            security.client(sock, self.config.keys, self.config.coordinator_key)
+        # watched before it connects: on loopback the connection (and a refused handshake's
+        # drop) can come before a monitor attached afterwards would see it
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                          | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            sock.connect(self.config.coordinator)
+        except zmq.ZMQError as e:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
+                               "an address looks like tcp://127.0.0.1:5555") from None
+        self.dealer, self.monitor = sock, monitor
+        self.handshake_state = "none"
+        self.disconnected_at: float | None = None
+        self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+        self._announce()
+
+    def _on_link_event(self) -> None:
+        event = recv_monitor_message(self.monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            self.handshake_state = "pending"
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.handshake_state = "done"
+        elif event & HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and self.handshake_state == "pending"):
+            # a peer that drops us mid-handshake refused it too: a keyless worker learns no more
+            self.handshake_state = "refused"
+            self._handshake_refused(event)
+        if event & HANDSHAKE_FAILED:
+            return
+        # libzmq announces a reconnect (CONNECT_RETRIED) right after an ordinary disconnect
+        self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+
+    def _handshake_refused(self, event: int) -> None:
+        self.handshake_failures += 1
+        if self.handshake_failures in (1, 10, 100) or self.handshake_failures % 1000 == 0:
+            log.warning("worker: the coordinator at %s refused the handshake (%d times): %s", self.config.coordinator,
+                        self.handshake_failures,
+                        "this worker's key is not on its --allow list" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                        else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
+                             "and this worker has none")
+
+    def _announce(self) -> None:
+        """READY with our epoch: a coordinator that had sessions here under an older one
+        knows they are gone."""
+        self._send(P.encode(P.READY, 0, capability=self.capability, epoch=self.epoch))
+
+    def _forgive_own_stop(self, stopped_for: float) -> bool:
+        """The coordinator's silence while this process was stopped (SIGSTOP, a laptop's
+        suspend, a swap storm) was ours; what it sent meanwhile is still to be read."""
+        if stopped_for:
+            self.coordinator_alive.heard()
+        return bool(stopped_for)
+
+    def _coordinator_lost(self) -> None:
+        """Its sessions are over: free them and drop the replies still owed to it."""
+        self._submit(Job(JobKind.RELEASE_ALL, 0, self.epoch))
+        self.holds_sessions = False
+        self.epoch += 1
+        if self.loop is not None:
+            self.loop.epoch = self.epoch
+        self.recent_rids.clear()
+
+    def _send(self, frames: list) -> None:
+        try:
+            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the coordinator is not reading: heartbeats will tell whether it is gone
+
+    # requests
+
+    def _refuse(self, rid, code: str, message: str, sid=None) -> None:
+        self.errors[code] += 1
+        self._send(P.error_frames(rid, code, message, sid=sid))
+
+    def _handle(self, frames: list) -> None:
+        try:
+            msg = P.decode(frames, self.max_control_payload)
+        except P.ProtocolError as e:
+            self._refuse(e.rid, e.code, e.message, e.sid)
+            return
+        self.coordinator_alive.heard()
+        if msg.type == P.HEARTBEAT:
+            return
+        if msg.type == P.DISCONNECT:
+            # the coordinator has forgotten us, and with us the sessions it had here: they
+            # are over (it replays them, on us again once we are back). It says so once per
+            # message of ours it did not know: only the first finds sessions to drop
+            if self.holds_sessions:
+                self._coordinator_lost()
+            self._announce()
+            return
+        self.requests[msg.type] += 1
+        if msg.rid in self.recent_rids:
+            self._refuse(msg.rid, E.DUPLICATE_REQUEST, f"request id {msg.rid} was already used", msg.get("sid"))
+            return
+        self.recent_rids[msg.rid] = None
+        if len(self.recent_rids) > RECENT_RIDS:
+            self.recent_rids.popitem(last=False)
+
+        handler = self.handlers.get(msg.type)
+        if handler is None:
+            self._refuse(msg.rid, E.UNKNOWN_TYPE, f"a worker does not serve '{msg.type}' messages")
+            return
+        try:
+            handler(msg)
+        except MeshnetError as e:
+            self._refuse(msg.rid, e.code, e.message, msg.get("sid"))
+
+    def _submit(self, job: Job | None) -> None:
+        if self.loop is None:
+            return   # holds nothing: no session to release, no loop to stop
+        self.loop.submit(job)
+        self.results.send(b"", flags=zmq.NOBLOCK)   # wake the stage loop
+
+    def _queue(self, job: Job) -> None:
+        """Hand a job to the stage loop, or refuse it with `busy` when its kind's bound
+        is reached: no kind of request can grow the worker's memory without end."""
+        queue_kind = job.kind.queue
+        if self.queued[queue_kind] >= self.queue_limits[queue_kind]:
+            raise MeshnetError(E.BUSY, f"{self.queued[queue_kind]} {queue_kind} requests are already waiting; "
+                               "try again later")
+        self.queued[queue_kind] += 1
+        self._submit(job)
+
+    def _stage_loop(self) -> StageLoop:
+        if self.loop is None:
+            raise MeshnetError(E.UNASSIGNED, "this worker holds no layers yet: it waits for the coordinator to "
+                               "assign it a range" + (" (loading one now)" if self.loading else ""))
+        return self.loop
+
+    def _assign(self, msg: P.Message) -> None:
+        """Load the range the coordinator planned for this worker, in a thread: the socket
+        loop goes on with heartbeats meanwhile. The reply comes when the stage is loaded,
+        then a READY that offers it."""
+        if self.loop is not None or self.loading is not None or self.config.layers is not None:
+            raise MeshnetError(E.INVALID_ARGUMENT, "this worker already holds or is loading a range; a range is "
+                               "assigned once, to a worker started with --layers auto")
+        start, end = msg["layers"]
+        if end > self.cost.n_layer:
+            raise MeshnetError(E.BAD_RANGE, f"layers [{start},{end}) are outside the model's {self.cost.n_layer}")
+        settings = Settings(self.config.n_ctx, self.config.max_sessions, self.config.n_batch)
+        need = stage_need(self.cost, start, end, settings)
+        if need > self.config.mem:
+            raise MeshnetError(E.MODEL_DOES_NOT_FIT, f"layers [{start},{end}) need {format_size(need)}; this worker "
+                               f"admits {format_size(self.config.mem)} (--mem)")
+        future: Future = Future()
+
+        def load():
+            try:
+                future.set_result(self._load((start, end)))
+            except BaseException as e:  # handed to the socket loop, which answers with it
+                future.set_exception(e)
+        threading.Thread(target=load, name="meshnet-load", daemon=True).start()
+        self.loading = (msg.rid, future)
+
+    def _finish_loading(self) -> None:
+        rid, future = self.loading
+        self.loading = None
+        try:
+            stage = future.result()
+        except MeshnetError as e:
+            self._refuse(rid, e.code, e.message)
+            return
+        except Exception as e:
+            self._refuse(rid, E.MODEL_LOAD, f"loading the assigned range failed: {e}")
+            return
+        self._serve(stage)
+        self.loop.start()
+        self.poller.register(self.results, zmq.POLLIN)
+        self._send(P.encode(P.OK, rid))
+        self._announce()
+
+    def _health(self, msg: P.Message) -> None:
+        # answered here, never queued behind work: the stage loop's last snapshot of the
+        # stage plus the socket loop's own counters
+        if self.loop is None:
+            self._send(P.encode(P.OK, msg.rid, info=dict(
+                requests=dict(self.requests), errors=dict(self.errors), stopping=self.stopping, rss_bytes=rss_bytes(),
+                state="loading" if self.loading else "waiting for a range")))
+            return
+        stats = dict(self.loop.stats)
+        stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.dealer))
+        errors = collections.Counter(stats.pop("errors", {}))
+        errors.update(self.errors)
+        self._send(P.encode(P.OK, msg.rid, info=dict(
+            stats, requests=dict(self.requests), errors=dict(errors), stopping=self.stopping,
+            queue_depth=stats.get("waiting", 0), queued=dict(self.queued), rss_bytes=rss_bytes())))
+
+    def _capability(self, msg: P.Message) -> None:
+        self._send(P.encode(P.OK, msg.rid, info=self.capability))
+
+    def _control(self, msg: P.Message) -> None:
+        if msg.type == P.OPEN and self.stopping:
+            raise MeshnetError(E.SHUTTING_DOWN, "this worker is shutting down and takes no new sessions")
+        self._stage_loop()
+        if msg.type == P.OPEN:
+            msg.fields["reply"] = reachable(msg["reply"], self.config.coordinator)
+            self.holds_sessions = True
+        self._queue(Job(JobKind(msg.type), msg.rid, self.epoch, sid=msg["sid"], msg=msg))
+
+    def _cancel(self, msg: P.Message) -> None:
+        self._stage_loop()
+        sid = msg["sid"]
+        self._queue(Job(JobKind.CANCEL, msg.rid, self.epoch, sid=sid))
+        self.loop.cancel(sid)  # after the job is queued: its job is what forgets the cancel again
+
+    def _tokenize(self, msg: P.Message) -> None:
+        self._stage_loop()
+        self._queue(Job(JobKind.TOKENIZE, msg.rid, self.epoch, msg=msg))
+
+    def _detokenize(self, msg: P.Message) -> None:
+        self._stage_loop()
+        self._queue(Job(JobKind.DETOKENIZE, msg.rid, self.epoch, msg=msg))
+
+    def _template(self, msg: P.Message) -> None:
+        self._stage_loop()
+        self._queue(Job(JobKind.TEMPLATE, msg.rid, self.epoch, msg=msg))
+
+    def _shutdown(self, msg: P.Message) -> None:
+        self._send(P.encode(P.OK, msg.rid))
+        self.stopping = True
+
+    def _relay_result(self) -> None:
+        epoch_frame, kind_frame, *frames = self.results.recv_multipart()
+        # a session's failure and the worker's own jobs were in no bounded queue
+        queue_kind = None if kind_frame == SESSION_FAILED else JobKind(kind_frame.decode()).queue
+        if queue_kind is not None:
+            self.queued[queue_kind] -= 1
+        if int.from_bytes(epoch_frame, "little") == self.epoch:
+            self._send(frames)
+
+    # the loop
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self._connect()
+        pacer = Pacer(self.config.heartbeat_interval)
+        poller = self.poller = zmq.Poller()
+        if self.loop is not None:
+            self.loop.start()
+            poller.register(self.results, zmq.POLLIN)
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        awake = Wakefulness(self.config.heartbeat_interval)
+        while True:
+            events = dict(poller.poll(LOADING_POLL_MS if self.loading else interval_ms))
+            self._forgive_own_stop(awake.stopped_for())
+            if self.loading is not None and self.loading[1].done():
+                self._finish_loading()
+            if self.results in events:
+                while self.results.poll(0):
+                    self._relay_result()
+            if self.dealer in events:
+                frames, why = P.recv_frames(self.dealer, 2, self.max_control_payload + P.MAX_HEADER_BYTES)
+                if why is not None:
+                    self._refuse(None, E.OVERSIZED, why)
+                else:
+                    self._handle(frames)
+            if self.stopping and sum(self.queued.values()) == 0 and not (self.loop and self.loop.jobs) \
+                    and self.loading is None:
+                break
+            if self.monitor in events:
+                self._on_link_event()
+            if self.disconnected_at is not None and time.monotonic() - self.disconnected_at > GIVEN_UP_AFTER:
+                self._coordinator_lost()
+                for sock in (self.dealer, self.monitor):
+                    poller.unregister(sock)
+                self._connect()  # announces us on the new socket
+                poller.register(self.dealer, zmq.POLLIN)
+                poller.register(self.monitor, zmq.POLLIN)
+            elif self.coordinator_alive.dead() and not self._forgive_own_stop(awake.stopped_for()):
+                # nothing here blocks: the socket stays (libzmq reconnects it), heartbeats go on
+                self._coordinator_lost()
+                self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+                self._announce()  # dropped unless connected
+            if pacer.due():
+                self._send(P.encode(P.HEARTBEAT, 0))
+        return self._stop()
+
+    def _stop(self) -> int:
+        self._submit(Job(JobKind.RELEASE_ALL, 0, self.epoch))
+        self._submit(None)
+        if self.loop is not None:
+            self.loop.join(timeout=30)
+        self._send(P.encode(P.GOODBYE, 0))
+        time.sleep(0.05)  # let the goodbye leave before the socket closes
+        self.dealer.disable_monitor()
+        self.monitor.close(linger=0)
+        self.dealer.close(linger=100)
+        self.results.close(linger=0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.stop()
+        self.ctx.term()
+        if self.stage is not None:
+            self.stage.close()
+        return 0
