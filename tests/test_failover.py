@@ -195,7 +195,7 @@ def test_with_no_spare_and_no_wait_a_lost_stage_ends_its_sessions_at_once(stages
         while len(coordinator.workers_snapshot()) >= n:
             assert time.monotonic() < deadline, "the coordinator never dropped a killed worker"
             time.sleep(0.05)
-    assert coordinator.resume_wait == 0
+    assert coordinator.config.resume_wait == 0
     handles, got, errors, want = run_and_kill(stages, expected, tail, "decode")
     assert all(e is not None and e.code == E.STAGE_LOST for e in errors), errors
     assert all(e.context["elapsed_ms"] <= STAGE_LOST_BOUND_S * 1000 for e in errors)
@@ -209,7 +209,7 @@ def test_a_replacement_that_registers_within_the_resume_wait_resumes_the_session
     # long enough for a worker process to start and load its layers on a loaded machine: the
     # sessions wait for it however long that takes within the bound (the replacement comes
     # a second after the loss, so a resume still takes more than that)
-    coordinator.resume_wait = 60.0
+    coordinator.set_resume_wait(60.0)
     try:
         outcome = {}
         runner = threading.Thread(target=lambda: outcome.update(run=run_and_kill(stages, expected, tail, "decode")))
@@ -229,4 +229,4 @@ def test_a_replacement_that_registers_within_the_resume_wait_resumes_the_session
         for h in handles:
             assert h.metrics["resumed"][0]["elapsed_ms"] >= 1000
     finally:
-        coordinator.resume_wait = 0.0
+        coordinator.set_resume_wait(0.0)

@@ -602,7 +602,7 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
 
     def counters() -> dict:
         # read on the coordinator's own thread: an answer also proves its command queue is served
-        return coordinator._submit(lambda f: f.set_result(dict(coordinator.counters))).result(PROBE_BOUND_S)
+        return coordinator.counters()
 
     try:
         real = {w["name"]: w for w in coordinator.workers_snapshot()}
@@ -683,7 +683,7 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
                 replies.violate("hang", f"after batch {batch_no}, {counted} of the {sent['data']} data messages sent "
                                 f"were counted within {PROBE_BOUND_S} s")
                 break
-            if not coordinator._thread.is_alive():
+            if not coordinator.alive():
                 replies.violate("crash", f"the coordinator's I/O thread died during batch {batch_no}")
                 break
             dead = [r for r, p in cluster.processes.items() if p.poll() is not None]
@@ -732,7 +732,7 @@ def test_fuzzing_the_coordinator_never_crashes_hangs_answers_invalidly_or_distur
         if slow:
             replies.violate("hang", f"reference sessions took {slow} s")
         final = {}
-        if coordinator._thread.is_alive():
+        if coordinator.alive():
             # after the flood the route still gives the whole model's tokens
             after = bounded(lambda: coordinator.generate(prompt_tokens, N_REFERENCE, stop_at_eog=False).result().tokens)
             if after != expected_tokens:

@@ -19,6 +19,7 @@ from meshnet.engine.binding import Entry, Stage
 from meshnet.launch.local_cluster import LocalCluster, children_of
 from meshnet.net import protocol as P
 from meshnet.net.metrics_server import MetricsServer
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS, whole_model_tokens
@@ -66,8 +67,8 @@ def test_two_deadlines_of_one_session_in_one_tick_end_it_once_and_the_coordinato
         finally:
             for process in c.processes.values():
                 os.kill(process.pid, signal.SIGCONT)
-        assert c.coordinator._thread.is_alive()
-        assert c.coordinator.counters["failed_deadline_exceeded"] == 1  # ended once, not once per request
+        assert c.coordinator.alive()
+        assert c.coordinator.counters()["failed_deadline_exceeded"] == 1  # ended once, not once per request
         assert_serves(c.coordinator, reference)
 
 
@@ -87,7 +88,7 @@ def test_a_ready_with_a_bad_capability_is_refused_and_the_route_keeps_serving(sm
             reply = peer.recv()
             assert reply.type == P.ERROR and reply["code"] == "bad_field", reply
             assert len(c.coordinator.workers_snapshot()) == 2  # not registered
-            assert c.coordinator._thread.is_alive()
+            assert c.coordinator.alive()
             assert_serves(c.coordinator, reference)
         finally:
             peer.close()
@@ -177,7 +178,7 @@ def test_workers_started_before_the_coordinator_serve_the_first_session(smollm2_
     try:
         time.sleep(4)  # several give-ups and back-offs of the workers, with nobody there
         for restart in range(2):  # a fresh coordinator, then one restarted under living workers
-            with Coordinator(address, heartbeat_interval=0.1, heartbeat_liveness=5) as coordinator:
+            with Coordinator(CoordinatorConfig(address, heartbeat_interval=0.1, heartbeat_liveness=5)) as coordinator:
                 coordinator.wait_for_route(30, n_stages=2)
                 assert_serves(coordinator, reference)
             time.sleep(1.5)
@@ -321,7 +322,7 @@ def test_the_coordinator_answers_invalid_session_ids_with_valid_errors():
                 peer.send([msgpack.packb({"v": P.VERSION, "type": "open", "rid": 5, "sid": sid})])
                 reply = peer.recv()  # decoded: protocol-valid
                 assert reply.type == P.ERROR and "sid" not in reply.fields
-            assert coordinator._thread.is_alive()
+            assert coordinator.alive()
         finally:
             peer.close()
 
@@ -358,7 +359,7 @@ def test_a_cancel_for_an_unopened_session_does_not_poison_its_id(smollm2_path, f
 
 def test_a_second_coordinator_on_a_port_in_use_is_a_one_line_error():
     address = f"tcp://127.0.0.1:{free_port()}"
-    with Coordinator(address):
+    with Coordinator(CoordinatorConfig(address)):
         result = meshnet("coordinator", "--bind", address, "--prompt", "hi")
     assert result.returncode == 4
     assert result.stderr.decode().strip().splitlines()[-1].startswith("error: [address_in_use]")

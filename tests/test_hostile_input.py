@@ -14,6 +14,7 @@ from meshnet.core.planner import ModelCost, Node, plan
 from meshnet.launch.local_cluster import LocalCluster
 from meshnet.net import protocol as P
 from meshnet.net.metrics_server import MetricsServer
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 from meshnet.route.tracker import StageOffer, build_route, CompatClass
 
@@ -148,7 +149,7 @@ def test_a_port_past_65535_is_refused_not_wrapped():
     result = meshnet("coordinator", "--bind", "tcp://127.0.0.1:99999", timeout=60)
     assert result.returncode == 2 and "bad_address" in result.stderr and "0..65535" in result.stderr, result.stderr
     with pytest.raises(MeshnetError) as refused:
-        Coordinator("tcp://127.0.0.1:70000")
+        Coordinator(CoordinatorConfig("tcp://127.0.0.1:70000"))
     assert refused.value.code == "bad_address"
 
 

@@ -7,6 +7,7 @@ import pytest
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import Entry, Stage
 from meshnet.engine.gguf_layout import read_layout
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 from conftest import DENSE_ARCHS, THREADS
@@ -129,7 +130,7 @@ def test_the_class_is_reported_and_what_the_invariant_class_cannot_hold_is_refus
 
 
 def test_a_route_that_mixes_numerics_classes_is_refused_naming_both(smollm2_path):
-    with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+    with Coordinator(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         workers = [start_worker(smollm2_path, coordinator.endpoint, (0, 15)),
                    start_worker(smollm2_path, coordinator.endpoint, (15, 30), "--numerics", "stock")]
         try:
@@ -180,7 +181,7 @@ def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_sa
 def test_a_session_that_loses_a_stage_never_resumes_on_a_route_of_the_other_class(smollm2_path):
     from meshnet.core import errors as E
 
-    with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+    with Coordinator(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         invariant = [start_worker(smollm2_path, coordinator.endpoint, r) for r in ((0, 15), (15, 30))]
         workers = list(invariant)
         try:

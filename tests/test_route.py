@@ -13,6 +13,7 @@ from meshnet.core.planner import ModelCost, Node, Settings, plan
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence.drift import DriftMeter
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS
@@ -65,7 +66,7 @@ def test_auto_workers_registered_in_random_order_form_the_planned_route_and_a_st
         plan(cost, [Node(str(i), AUTO["mem"], settings) for i in range(2)])
     prompt_tokens, expected = whole_model(smollm2_path, AUTO["ctx"])
 
-    with Coordinator(**FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(**FAST_HEARTBEAT)) as coordinator:
         workers = []
         try:
             for _ in range(4):    # three make the route, the fourth stands by
@@ -100,7 +101,7 @@ def test_auto_workers_registered_in_random_order_form_the_planned_route_and_a_st
 
 
 def test_an_auto_worker_alone_too_small_waits_with_the_shortfall(smollm2_path):
-    with Coordinator(**FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(**FAST_HEARTBEAT)) as coordinator:
         workers = [auto_worker(smollm2_path, coordinator, **AUTO)]
         try:
             assert wait_until(lambda: coordinator.route_report()["standby"], timeout=30)
@@ -127,7 +128,7 @@ def mutated_copy(path, tmp_path):
 def test_a_worker_of_another_model_is_kept_out_with_its_reason_and_the_route_of_the_others_serves(smollm2_path, tmp_path):
     other = mutated_copy(smollm2_path, tmp_path)
     prompt_tokens, expected = whole_model(smollm2_path, 256)
-    with Coordinator(**FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(**FAST_HEARTBEAT)) as coordinator:
         workers = []
         try:
             # the stranger registers first and offers the tail: it must not stop the route
@@ -147,7 +148,7 @@ def test_a_worker_of_another_model_is_kept_out_with_its_reason_and_the_route_of_
 
 def test_a_killed_stage_is_replaced_by_its_spare_for_new_sessions_within_the_heartbeat_bound(smollm2_path):
     prompt_tokens, expected = whole_model(smollm2_path, 256)
-    with Coordinator(**FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(**FAST_HEARTBEAT)) as coordinator:
         workers = []
         try:
             hb = ["--heartbeat-interval", "0.1", "--heartbeat-liveness", "10"]
@@ -190,7 +191,7 @@ def test_a_model_bigger_than_one_node_is_split_by_the_planner_across_two(qwen_pa
     assert len(planned) == 2
     prompt_tokens, expected = whole_model(qwen_path, ctx, n_tokens=16, prompt="def fibonacci(n):")
 
-    with Coordinator(**FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(**FAST_HEARTBEAT)) as coordinator:
         workers = [auto_worker(qwen_path, coordinator, mem, ctx, sessions)]
         try:
             assert wait_until(lambda: coordinator.route_report()["plan_note"], timeout=60)
@@ -211,7 +212,7 @@ def test_a_model_bigger_than_one_node_is_split_by_the_planner_across_two(qwen_pa
 def test_allow_mixed_lets_another_class_in_and_every_run_reports_its_drift_from_the_whole_model(smollm2_path, tmp_path):
     other = mutated_copy(smollm2_path, tmp_path)    # another sha256, the same weights: no drift to find
     prompt_tokens, expected = whole_model(smollm2_path, 256)
-    with Coordinator(allow_mixed=True, drift_meter=DriftMeter(smollm2_path), **FAST_HEARTBEAT) as coordinator:
+    with Coordinator(CoordinatorConfig(allow_mixed=True, **FAST_HEARTBEAT), drift_meter=DriftMeter(smollm2_path)) as coordinator:
         workers = []
         try:
             workers += [start_worker(smollm2_path, coordinator.endpoint, (0, 19)),

@@ -11,6 +11,7 @@ import zmq
 
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.net import security
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 from conftest import THREADS
@@ -58,7 +59,7 @@ def test_only_workers_with_an_allowed_key_for_this_coordinator_get_in(smollm2_pa
     own = security.load_secret(keys / "coordinator.key_secret")
     allowed = security.load_allowed(keys / "allowed")
     logs = [tmp_path / f"intruder{i}.log" for i in range(3)]
-    with Coordinator(keys=own, allowed_workers=allowed, heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+    with Coordinator(CoordinatorConfig(keys=own, allowed_workers=allowed, heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         assert security.mechanism(coordinator.router) == "CURVE"
         files = [open(log, "wb") for log in logs]
         intruders = [
@@ -99,7 +100,7 @@ def test_only_workers_with_an_allowed_key_for_this_coordinator_get_in(smollm2_pa
 
 
 def test_a_coordinator_without_keys_is_not_reached_by_a_keyed_worker(smollm2_path, keys):
-    with Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+    with Coordinator(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         assert security.mechanism(coordinator.router) == "NULL"
         worker = keyed_worker(smollm2_path, coordinator, (0, 30), keys, "head", stderr=subprocess.PIPE)
         try:
@@ -123,8 +124,8 @@ def test_bad_key_files_are_refused_with_bad_key(tmp_path):
 
 def test_every_link_of_a_keyed_route_is_curve_and_a_stranger_cannot_push_into_a_stage(smollm2_path, keys):
     own = security.load_secret(keys / "coordinator.key_secret")
-    with Coordinator(keys=own, allowed_workers=security.load_allowed(keys / "allowed"),
-                     heartbeat_interval=0.1, heartbeat_liveness=10) as coordinator:
+    with Coordinator(CoordinatorConfig(keys=own, allowed_workers=security.load_allowed(keys / "allowed"),
+                     heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         workers = [keyed_worker(smollm2_path, coordinator, (0, 19), keys, "head"),
                    keyed_worker(smollm2_path, coordinator, (19, 30), keys, "tail")]
         try:

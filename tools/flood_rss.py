@@ -43,8 +43,8 @@ def main() -> None:
     parser.add_argument("--floods", default="8x128,16x30", help="comma-separated FRAMESxMIB")
     args = parser.parse_args()
     with Coordinator() as coordinator:
-        print(f"coordinator max payload {coordinator.max_payload // MIB} MiB, "
-              f"per-frame cap (MAXMSGSIZE) {2 * coordinator.max_payload // MIB} MiB")
+        print(f"coordinator max payload {coordinator.config.max_payload // MIB} MiB, "
+              f"per-frame cap (MAXMSGSIZE) {2 * coordinator.config.max_payload // MIB} MiB")
         for spec in args.floods.split(","):
             frames, frame_mib = (int(x) for x in spec.split("x"))
             before = rss_bytes()
@@ -67,7 +67,7 @@ def main() -> None:
             after = rss_bytes()
             print(f"{frames} x {frame_mib} MiB = {frames * frame_mib} MiB: answer {answer or 'none (peer dropped)'}; "
                   f"RSS before {before / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB, after {after / MIB:.0f} MiB; "
-                  f"loop alive {coordinator._thread.is_alive()}")
+                  f"loop alive {coordinator.alive()}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence.prompts import SHORT
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 PROMPTS = SHORT
@@ -137,7 +138,7 @@ def check(args, report: dict) -> bool:
         from meshnet.net import security
         keys = security.load_secret(f"{args.keys}/coordinator.key_secret")
         allowed = security.load_allowed(f"{args.keys}/allowed")
-    with Coordinator(args.bind, keys=keys, allowed_workers=allowed) as coordinator:
+    with Coordinator(CoordinatorConfig(args.bind, keys=keys, allowed_workers=allowed)) as coordinator:
         route = coordinator.wait_for_route(args.wait, n_stages=len(ranges))
         report["curve"] = _curve_everywhere(coordinator) if keys is not None else False
         if keys is not None:

@@ -423,6 +423,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
     from meshnet.evidence.drift import DriftMeter
     from meshnet.net import security
     from meshnet.net.metrics_server import MetricsServer
+    from meshnet.route.config import CoordinatorConfig
     from meshnet.route.coordinator import Coordinator
 
     if allow_mixed and reference is None:
@@ -438,9 +439,9 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         reference_path = str(models.resolve(reference)[0]) if reference else None
         keys = security.load_secret(secret_file) if secret_file else None
         allowed = security.load_allowed(allow_path) if allow_path else None
-        coord = Coordinator(bind, allow_mixed=allow_mixed, drift_meter=DriftMeter(reference_path) if reference_path else None,
-                            data_bind=data_bind,
-                            keys=keys, allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes)
+        config = CoordinatorConfig(bind, data_bind=data_bind, allow_mixed=allow_mixed, keys=keys,
+                                   allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes)
+        coord = Coordinator(config, drift_meter=DriftMeter(reference_path) if reference_path else None)
     except MeshnetError as e:
         _fail(e)
     with coord:

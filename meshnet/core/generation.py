@@ -133,17 +133,33 @@ class Generation:
             self.chunk_ends = even_chunk_ends(len(self.prompt), self.chunk)
         return [self._next_chunk()]
 
-    def replay(self) -> "Generation":
+    def bound_chunks(self, n_batch: int, fixed: bool = False) -> None:
+        """Before the session opens: no prompt chunk over the route's N_BATCH; FIXED
+        feeds chunks of exactly n_batch (the stock class's, as stock llama.cpp feeds)."""
+        self._expect("opening")
+        self.chunk = n_batch if fixed else min(self.chunk, n_batch)
+
+    def on_route(self, depth: int) -> None:
+        """The route it opens on has DEPTH stages: as many prompt chunks may be in flight."""
+        self._expect("opening")
+        self.depth = depth
+
+    def replay(self, n_batch: int | None = None) -> "Generation":
         """This session again from the start, for a new route: the prompt in the chunks it
         was fed in, then each generated token alone, as when it was decoded; the token
-        after them is the next one the caller gets."""
+        after them is the next one the caller gets. A route that takes fewer than a
+        chunk's rows at once (N_BATCH) gets even chunks of n_batch instead (its floats
+        may then differ: the run's note says which chunking ran)."""
         if self.done:
             raise MeshnetError(E.INTERNAL, "a finished generation has nothing to replay")
         n_prompt = self.n_prompt
         prompt_ends = self.chunk_ends or even_chunk_ends(n_prompt, self.chunk)
         prompt_ends = [end for end in prompt_ends if end <= n_prompt]
         ends = prompt_ends + [n_prompt + i + 1 for i in range(len(self.tokens))]
-        return Generation(list(self.prompt[:n_prompt]) + self.tokens, self.rule, self.chunk,
+        chunk = self.chunk
+        if n_batch is not None and max(b - a for a, b in zip([0] + ends, ends)) > n_batch:
+            chunk, ends = n_batch, None
+        return Generation(list(self.prompt[:n_prompt]) + self.tokens, self.rule, chunk,
                           tail_feeds_head=self.tail_feeds_head, depth=self.depth, clock=self.clock,
                           tokens=list(self.tokens), token_times=list(self.token_times), t_start=self.t_start,
                           t_first=self.t_first, chunk_ends=ends, n_prompt=n_prompt,

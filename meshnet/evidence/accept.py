@@ -33,6 +33,7 @@ from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence import reference as stock_reference
 from meshnet.evidence.prompts import CLASS_CHECK, SHORT
 from meshnet.launch.local_cluster import LocalCluster, start_auto_worker
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 SCHEMA_VERSION = 1
@@ -304,7 +305,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
     whole_need = cost.weight_bytes(0, layout.n_layer)
     planned = [s.layers for s in plan(cost, [Node("a", mem, settings), Node("b", mem, settings)]).stages]
     beat = ["--heartbeat-interval", "0.1", "--heartbeat-liveness", "10", "--numerics", numerics]
-    coordinator = Coordinator(heartbeat_interval=0.1, heartbeat_liveness=10)
+    coordinator = Coordinator(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_liveness=10))
     commands.append(f"meshnet worker --coordinator {coordinator.endpoint} --model {path} --layers auto --mem {mem} "
                     f"--threads {threads} --ctx {AUTO_CTX} --max-sessions {AUTO_SESSIONS} {' '.join(beat)}  (x3)")
     workers = []

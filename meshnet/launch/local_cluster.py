@@ -25,6 +25,7 @@ from meshnet.core import errors
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 PR_SET_PDEATHSIG = 1
@@ -159,7 +160,8 @@ class LocalCluster:
             coordinator_options["allowed_workers"] = security.load_allowed(keys / "allowed")
         # each stage's data path on its own CPU (stage i on CPU i, round the machine's CPUs)
         self.pin_cpus = pin_cpus and len(os.sched_getaffinity(0)) > 1
-        self.coordinator = Coordinator(**coordinator_options)
+        drift_meter = coordinator_options.pop("drift_meter", None)
+        self.coordinator = Coordinator(CoordinatorConfig(**coordinator_options), drift_meter=drift_meter)
         # keyed by the plain (start, end), so a test can say processes[(0, 15)]
         self.processes: dict[tuple[int, int], subprocess.Popen] = {}
         self.stderr_tails: dict[tuple[int, int], StderrTail] = {}

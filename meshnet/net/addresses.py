@@ -21,3 +21,12 @@ def checked(endpoint: str, what: str) -> str:
         raise MeshnetError(E.BAD_ADDRESS, f"{what} {endpoint!r}: the port must be 0..65535 (0 or * for a free one), "
                            f"not {port!r}")
     return endpoint
+
+
+def same_host_any_port(endpoint: str) -> str:
+    """tcp://host:port -> tcp://host:0: a free port on the same interface (where the
+    coordinator's data plane listens beside its control socket)."""
+    if not endpoint.startswith("tcp://"):
+        raise MeshnetError(E.BAD_ADDRESS, f"the coordinator needs a tcp:// address to serve the data plane, "
+                           f"not {endpoint!r}")
+    return endpoint.rsplit(":", 1)[0] + ":0"

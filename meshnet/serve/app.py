@@ -715,6 +715,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
 
     from meshnet.engine.gguf_layout import read_layout
     from meshnet.launch.local_cluster import LocalCluster
+    from meshnet.route.config import CoordinatorConfig
     from meshnet.route.coordinator import Coordinator
 
     def run(coordinator, where: str):
@@ -745,7 +746,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                               numerics=numerics, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
-            with Coordinator(bind, **(coordinator_options or {})) as coordinator:
+            with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:
                 run(coordinator, f"workers connect to {coordinator.endpoint}")
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,39 @@
+"""What a coordinator is started with, in one value (the CLI, serve, the local cluster
+and the tests build it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshnet.core.planner import OVERHEAD
+from meshnet.net import addresses
+from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from meshnet.net.security import KeyPair
+
+PREFILL_CHUNK = 64             # prompt tokens per forward request
+REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
+MAX_PAYLOAD = 32 << 20         # largest payload accepted from a worker: 512 rows of an 16k-wide model fit
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    bind: str = "tcp://127.0.0.1:0"
+    data_bind: str | None = None            # where stages send tokens; by default beside bind, on a free port
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS
+    prefill_chunk: int = PREFILL_CHUNK
+    request_timeout: float = REQUEST_TIMEOUT
+    max_payload: int = MAX_PAYLOAD
+    allow_mixed: bool = False               # let workers of other classes into a route; runs then report drift
+    overhead: int = OVERHEAD                # per worker process, for the planner
+    keys: KeyPair | None = None             # CURVE: this coordinator's keys; None runs without
+    allowed_workers: frozenset[bytes] | None = None   # the workers' public keys admitted (with keys)
+    # a session that loses a stage is replayed on a new route when one exists, or
+    # appears within resume_wait seconds; at most max_resumes times
+    resume_wait: float = 0.0
+    max_resumes: int = 2
+
+    def __post_init__(self):
+        addresses.checked(self.bind, "--bind")
+        if self.data_bind is not None:
+            addresses.checked(self.data_bind, "--data-bind")
