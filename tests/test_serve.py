@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from meshnet.engine.binding import Stage
-from meshnet.serve.app import StopScanner
+from meshnet.serve.completions import StopScanner
 
 from conftest import serving
 

@@ -764,8 +764,8 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
           numerics, resume_wait, max_resumes):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
-    from meshnet.serve.app import listen
-    from meshnet.serve.app import serve as run_server
+    from meshnet.serve.launch import listen
+    from meshnet.serve.launch import serve as run_server
 
     local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions,
              "--numerics": numerics}

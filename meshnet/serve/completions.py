@@ -1,0 +1,310 @@
+"""One completion of `meshnet serve`, from a checked request to its answer: a session
+slot counted against the stages' --max-sessions (429 beyond them), the prompt's tokens
+within the context, a session iterated by a thread of its own (the coordinator's API
+blocks) that hands its events to the request's asyncio queue, stop strings, and the
+answer whole or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import secrets
+import threading
+import time
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from meshnet.core import errors
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import Sampling
+from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, sampling_of, sse
+
+SETTLE_S = 2.0
+DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
+
+
+class StopScanner:
+    """Cuts the text before the first stop string. Text that could be the start of one is
+    held back until the next piece says whether it is, so a stop string is never shown."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self.held += text
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.held = self.held[:min(hits)], ""
+            return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Slots:
+    """Sessions this server has open, counted against the stages' --max-sessions, and
+    the live ones among them, ended at once when the server stops."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = 0
+        self.sessions: set[Session] = set()
+
+    def take(self, limit: int) -> bool:
+        with self.lock:
+            if self.active >= limit:
+                return False
+            self.active += 1
+            return True
+
+    def hold(self, session: "Session") -> None:
+        with self.lock:
+            self.sessions.add(session)
+
+    def give(self, session: "Session | None" = None) -> None:
+        with self.lock:
+            self.active -= 1
+            self.sessions.discard(session)
+
+    def stop_all(self) -> None:
+        """Their clients get shutting_down now, not after uvicorn's graceful timeout."""
+        with self.lock:
+            sessions = list(self.sessions)
+        for session in sessions:
+            session.cancel(MeshnetError(errors.SHUTTING_DOWN, "the server is shutting down"))
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Session:
+    """One generation, iterated by a thread of its own; its events (token, done, error)
+    reach the request through an asyncio queue. The slot is given back once the
+    coordinator has ended the session."""
+
+    def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Slots):
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.lock = threading.Lock()
+        self.handle = None
+        self.cancelled = False
+        self.reason: MeshnetError | None = None   # why this server cancelled it, if it did
+        self._get: asyncio.Future | None = None
+        self._check_at = time.monotonic() + DISCONNECT_POLL_S
+        slots.hold(self)
+        threading.Thread(target=self._run, args=(coordinator, tokens, max_tokens, sampling, slots),
+                         name="meshnet-serve-session", daemon=True).start()
+
+    def _put(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:
+            pass   # the server has stopped: nobody listens
+
+    def _run(self, coordinator, tokens, max_tokens, sampling, slots) -> None:
+        final = ("error", MeshnetError(errors.CANCELLED, "the request was cancelled"))
+        try:
+            with self.lock:
+                if not self.cancelled:
+                    self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling)
+            if self.handle is not None:
+                for event in self.handle:
+                    self._put("token", event)
+                final = ("done", self.handle.stop_reason)
+        except Exception as e:   # the session's error, generate's own checks of the request, and what nobody foresaw
+            final = ("error", e if isinstance(e, MeshnetError) else MeshnetError(errors.INTERNAL, repr(e)))
+        finally:
+            slots.give(self)   # before the last event: whoever has seen it finds the slot free
+            self._put(*final)
+
+    def cancel(self, reason: MeshnetError | None = None) -> None:
+        """Ends the session on every stage (its KV is freed); a CANCELLED error follows."""
+        with self.lock:
+            self.cancelled = True
+            self.reason = self.reason or reason
+            handle = self.handle
+        if handle is not None:
+            handle.cancel()
+
+    def close(self) -> None:
+        """Drops a wait for the next event that nobody will read."""
+        if self._get is not None:
+            self._get.cancel()
+            self._get = None
+
+    async def settle(self) -> None:
+        """Wait (a little at most) until the coordinator has ended the session."""
+        deadline = time.monotonic() + SETTLE_S
+        try:   # (asyncio.timeout would do, from Python 3.11; meshnet runs on 3.10)
+            while (await asyncio.wait_for(self.events.get(), max(0.0, deadline - time.monotonic())))[0] == "token":
+                pass
+        except asyncio.TimeoutError:
+            pass
+
+    async def next(self, request: Request) -> tuple[str, object]:
+        """The next event; ClientGone if the client went away while waiting for it."""
+        if self._get is None:
+            self._get = asyncio.ensure_future(self.events.get())
+        while True:
+            if time.monotonic() >= self._check_at:   # tokens may come quicker than this: not only on a wait
+                self._check_at = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise ClientGone()
+            done, _ = await asyncio.wait({self._get}, timeout=DISCONNECT_POLL_S)
+            if done:
+                event, self._get = self._get.result(), None
+                return event
+
+
+class Answer:
+    """The text of one answer, piece by piece as it may be shown, and how it ended."""
+
+    def __init__(self, session: Session, first, stops: list[str]):
+        self.session, self.first = session, first
+        self.scanner = StopScanner(stops)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.n_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def texts(self, request: Request):
+        event, ended = self.first, False
+        try:
+            while True:
+                kind, value = event
+                if kind == "error":
+                    raise self.session.reason or value
+                if kind == "token":
+                    self.n_tokens += 1
+                    text, stopped = self.scanner.feed(self.decoder.decode(value.piece))
+                else:
+                    text, stopped = self.scanner.feed(self.decoder.decode(b"", final=True))
+                    text += "" if stopped else self.scanner.flush()
+                if text:
+                    yield text
+                if stopped and kind == "token":   # the rest is not wanted: free the session now
+                    self.session.cancel()
+                    await self.session.settle()
+                if stopped or kind == "done":
+                    self.finish_reason = "length" if not stopped and value == "length" else "stop"
+                    ended = True
+                    return
+                event = await self.session.next(request)
+        finally:
+            if not ended:   # a client gone, an error: the stages free the session now
+                self.session.cancel()
+            self.session.close()
+
+
+def route_limits(coordinator) -> tuple[int, int]:
+    """(context, session slots) of the route's stages: the smallest of each."""
+    report = coordinator.route_report()
+    names = {stage.split("@", 1)[1] for stage in report["route"] or []}
+    workers = [w for w in coordinator.workers_snapshot() if w["name"] in names]
+    if not workers:
+        raise MeshnetError(errors.ROUTE_INCOMPLETE, f"no route over the whole model: {report.get('error') or 'none yet'}")
+    return min(w["n_ctx"] for w in workers), min(w["max_sessions"] for w in workers)
+
+
+class Completions:
+    """The completions of one server: its coordinator, the model it serves and its slots."""
+
+    def __init__(self, coordinator, model: str):
+        self.coordinator, self.model = coordinator, model
+        self.slots = Slots()
+
+    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None):
+        """The response to a checked request: TOKENS_OF(limit) gives the prompt's tokens."""
+        if body.model != self.model:
+            raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
+                           code="model_not_found", param="model")
+        if body.n not in (None, 1):
+            raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
+                           param="n")
+        sampling = sampling_of(body)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling)
+        try:   # the session's first event: an error before it is the request's status
+            first = await session.next(request)
+        except ClientGone:
+            session.cancel()
+            session.close()
+            return Response(status_code=499)
+        if first[0] == "error":
+            raise ApiError.of(session.reason or first[1])
+        answer = Answer(session, first, stops)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model}
+        if not body.stream:
+            try:
+                text = "".join([t async for t in answer.texts(request)])
+            except ClientGone:
+                return Response(status_code=499)
+            return dict(head, choices=[choice(chat, text, answer.finish_reason, False)], usage=_usage(tokens, answer))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        return StreamingResponse(_events(request, answer, head, chat, tokens, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _open(self, chat: bool, tokens_of, max_tokens: int | None,
+                    sampling: Sampling | None) -> tuple[Session, list[int]]:
+        """A slot and a session for the prompt; ApiError when either cannot be had."""
+        n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
+        if not self.slots.take(n_slots):
+            raise ApiError(429, f"all {n_slots} session slots are in use: retry in a moment",
+                           code=errors.TOO_MANY_SESSIONS)
+        try:
+            # a prompt that cannot leave room for one new token is refused by the head's
+            # tokenizer, or before it by its length alone: a client's megabytes never hold a stage
+            try:
+                tokens = await run_in_threadpool(tokens_of, n_ctx - 1)
+            except MeshnetError as e:
+                if e.code != errors.CONTEXT_FULL:
+                    raise
+                raise ApiError(400, f"{e.message}: the context is {n_ctx}", code=errors.CONTEXT_FULL,
+                               param="messages" if chat else "prompt") from None
+            if len(tokens) >= n_ctx:
+                raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
+                               code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
+            return Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots), tokens
+        except BaseException:
+            self.slots.give()
+            raise
+
+
+def _usage(tokens: list[int], answer: Answer) -> dict:
+    return {"prompt_tokens": len(tokens), "completion_tokens": answer.n_tokens,
+            "total_tokens": len(tokens) + answer.n_tokens}
+
+
+async def _events(request: Request, answer: Answer, head: dict, chat: bool, tokens: list[int], include_usage: bool):
+    """The answer as server-sent events, OpenAI's chunks, ending with [DONE]."""
+    def chunk(text, finish=None, role=False):
+        piece = choice(chat, text, finish, True)
+        if role:
+            piece["delta"] = {"role": "assistant", "content": ""}
+        return sse(dict(head, choices=[piece], **({"usage": None} if include_usage else {})))
+
+    if chat:
+        yield chunk(None, role=True)
+    try:
+        async for text in answer.texts(request):
+            yield chunk(text)
+    except MeshnetError as e:   # after the first token the status is sent: the error goes in the stream
+        yield sse(ApiError.of(e).body())
+        yield "data: [DONE]\n\n"
+        return
+    except ClientGone:
+        return
+    yield chunk(None, answer.finish_reason)
+    if include_usage:
+        yield sse(dict(head, choices=[], usage=_usage(tokens, answer)))
+    yield "data: [DONE]\n\n"

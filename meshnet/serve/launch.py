@@ -1,0 +1,78 @@
+"""Starting `meshnet serve`: the HTTP socket (bound before any worker starts, so a port
+in use fails at once), local workers or a coordinator that workers elsewhere connect
+to, and uvicorn until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+from meshnet.core import defaults
+from meshnet.core import errors
+from meshnet.core.errors import MeshnetError
+from meshnet.engine import models
+from meshnet.serve.app import create_app
+from meshnet.serve.openai import model_id
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound and listening before any worker starts: a port in use fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        code = errors.ADDRESS_IN_USE if e.errno == 98 else errors.BAD_ADDRESS
+        raise MeshnetError(code, f"cannot listen on {host}:{port}: {e.strerror}; choose another --host/--port") from None
+    sock.listen(1024)
+    return sock
+
+
+def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
+          coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
+          max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None, echo=print) -> None:
+    """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
+    unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
+    import uvicorn
+
+    from meshnet.engine.gguf_layout import read_layout
+    from meshnet.launch.local_cluster import LocalCluster
+    from meshnet.route.config import CoordinatorConfig
+    from meshnet.route.coordinator import Coordinator
+
+    def run(coordinator, where: str):
+        host, port = sock.getsockname()[:2]
+        app = create_app(coordinator, model_id(model), api_key=api_key)
+
+        class Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                app.state.stop_sessions()   # streams end now, with an error, and their connections close
+                await super().shutdown(sockets)
+        server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        echo(f"meshnet serve: {model_id(model)} on http://{host}:{port}/v1 ({where})")
+        server.run(sockets=[sock])
+
+    def stop(signum, frame):   # uvicorn passes SIGTERM on once it has stopped: the workers close too
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        if bind is None:
+            path, _ = models.resolve(model)
+            ranges = read_layout(path).balanced_ranges(stages)
+            # the workers ignore the terminal's Ctrl-C: they are closed after the server
+            resume = {k: v for k, v in (coordinator_options or {}).items() if k in ("resume_wait", "max_resumes")}
+            if numerics == "stock" and max_sessions > 1:
+                echo("meshnet serve: numerics stock: one request alone gets stock llama.cpp's tokens; requests "
+                     "batched together may get others (--numerics invariant holds them under any batching)")
+            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
+                              numerics=numerics, **resume) as cluster:
+                run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
+        else:
+            with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:
+                run(coordinator, f"workers connect to {coordinator.endpoint}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()

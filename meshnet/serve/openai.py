@@ -1,0 +1,247 @@
+"""OpenAI's API shapes for `meshnet serve`: the request bodies (strict pydantic types),
+the checks of what the types leave open (check_request: text UTF-8 cannot encode, a
+field meshnet does not honour, a chat message without a role it knows), the error
+bodies and status codes, and the response pieces (choices, server-sent events)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshnet.core import errors
+from meshnet.core.conversation import answer_sampling
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import Sampling
+from meshnet.engine import models
+
+RETRY_AFTER_S = 1
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repeat_penalty", "seed")
+UNSUPPORTED_FIELD = "unsupported_field"   # the code of a field (or value) meshnet does not honour
+TOO_LARGE = "request_too_large"           # the code of a body over MAX_BODY_BYTES
+ROLES = ("system", "developer", "user", "assistant")
+# OpenAI's request fields that meshnet does not honour, each with the values that mean
+# "off" (null, and the default where a client sends it for "off"): a request with one of
+# them is answered as it would be without the field; any other value is refused
+# (unsupported_field), never ignored, since the answer would not be what was asked. A
+# field neither here nor in the request models below is refused whatever its value.
+OFF_VALUES = {
+    "logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None,), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True),
+    "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    "prompt_cache_key": (None,), "safety_identifier": (None,),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    @classmethod
+    def of(cls, error: MeshnetError) -> "ApiError":
+        return cls(errors.http_status(error.code), error.message, code=error.code, param=error.context.get("field"))
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=retry)
+
+
+# ---- request bodies: strict types (a string is not a number). Other fields are kept
+# (model_extra) for check_request to take at an off value or refuse, with the field's
+# whole name (messages[0].tool_calls), before anything of the request is used.
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class Message(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None   # (None: check_request says which message lacks it)
+    name: str | None = None   # a participant's name: taken, without effect (the chat template has no place for it)
+
+
+class _Request(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1         # (null is what some clients send for "the default")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None   # an end user's id, for OpenAI's abuse monitoring: taken, without effect
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+
+FIELD_NAMES = frozenset().union(*(model.model_fields for model in (ChatRequest, CompletionRequest, Message,
+                                                                    ContentPart, StreamOptions)))
+
+
+def field_path(loc) -> str:
+    """OpenAI's name of the field a pydantic error is about (messages[0].content). The loc
+    also names the member of a union that was tried (str, list[str]): the name ends before
+    the first part that is neither a field nor an index into one."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int) and path:
+            path += f"[{part}]"
+        elif isinstance(part, str) and part in FIELD_NAMES:
+            path += f".{part}" if path else part
+        else:
+            break
+    return path
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def not_utf8(value) -> tuple[str, bool] | None:
+    """Where the first text in a JSON value is that UTF-8 cannot encode: a lone surrogate,
+    which JSON's escape "\\ud800" (or CESU's bytes) gives and Python's json takes. (path,
+    whether it is the name of a field in the object at path), or None. A loop, not a
+    recursion: the body may be nested as deep as json could parse it."""
+    todo = [("", "", None, value)]   # (path, the object's path, the name there, value), the next one last
+    while todo:
+        path, where, name, value = todo.pop()
+        if name is not None and not _encodes(name):
+            return where, True
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return path, False
+        elif isinstance(value, dict):
+            todo.extend(reversed([(f"{path}.{key}" if path else key, path, key, item) for key, item in value.items()]))
+        elif isinstance(value, list):
+            todo.extend(reversed([(f"{path}[{i}]", path, None, item) for i, item in enumerate(value)]))
+    return None
+
+
+def _is_off(name: str, value) -> bool:
+    # of the value's own type: 0 == False and 1 == True, but logprobs 0 is not "off"
+    return any(type(value) is type(off) and value == off for off in OFF_VALUES.get(name, ()))
+
+
+def _refuse_others(part: _Body, where: str = "") -> None:
+    """A field beyond the model's is refused, named by its path (where: the path of part);
+    at the top, one of OFF_VALUES at an off value is taken."""
+    for name, value in (part.model_extra or {}).items():
+        if where == "" and _is_off(name, value):
+            continue
+        offs = OFF_VALUES.get(name) if where == "" else None
+        why = (f"is not supported by meshnet serve: leave it out, or send {' or '.join(map(json.dumps, offs))}"
+               if offs else "is not a field meshnet serve takes")
+        raise ApiError(400, f"{where}{name} {why}", code=UNSUPPORTED_FIELD, param=where + name)
+
+
+def check_request(body: _Request) -> None:
+    """What the types leave open, checked before anything of the request is used (a text
+    that UTF-8 cannot encode would fail in the coordinator, or in this error's own body):
+    every text encodes; every field is one meshnet honours, or one of OFF_VALUES at an off
+    value; every chat message has a role meshnet knows, and content, of text parts only."""
+    bad = not_utf8(body.model_dump())
+    if bad is not None:
+        path, key = bad
+        where = f"a field name in {path or 'the body'}" if key else path
+        raise ApiError(400, f"{where} is not valid UTF-8: it holds a lone surrogate (\\ud800 to \\udfff), which "
+                       "is no character; send text as UTF-8", code=errors.INVALID_ARGUMENT, param=path or None)
+    _refuse_others(body)
+    if body.stream_options is not None:
+        _refuse_others(body.stream_options, "stream_options.")
+    for i, m in enumerate(body.messages if isinstance(body, ChatRequest) else []):
+        where = f"messages[{i}]"
+        _refuse_others(m, where + ".")
+        if m.role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", code=errors.INVALID_ARGUMENT,
+                           param=where + ".role")
+        if m.content is None:
+            raise ApiError(400, f"{where}.content is required: the message's text (or text parts)",
+                           code=errors.INVALID_ARGUMENT, param=where + ".content")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            at = f"{where}.content[{j}]"
+            if part.type != "text":   # (before its other fields: an image_url part is refused for being one)
+                raise ApiError(400, f"{at}.type: only text content parts are supported", code=UNSUPPORTED_FIELD,
+                               param=at + ".type")
+            _refuse_others(part, at + ".")
+            if part.text is None:
+                raise ApiError(400, f"{at}.text is required: the part's text", code=errors.INVALID_ARGUMENT,
+                               param=at + ".text")
+
+
+def sampling_of(body: _Request) -> Sampling | None:
+    """No temperature: greedy (meshnet's default). A temperature without a seed: a fresh
+    seed per request."""
+    given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    if not given:
+        return None
+    try:
+        return answer_sampling(Sampling(**given), "seed" in given)
+    except MeshnetError as e:
+        raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
+
+
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI's messages as the chat template takes them: role and content text (the
+    messages as check_request has taken them)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def choice(chat: bool, text: str | None, finish: str | None, stream: bool) -> dict:
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if stream:
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+
+def model_id(model: str | None) -> str:
+    """The name clients ask for: a known model's name, or a GGUF file's stem."""
+    model = model or models.DEFAULT_MODEL
+    return model if model in models.MODELS else Path(model).stem
