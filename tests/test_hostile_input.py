@@ -20,7 +20,7 @@ from meshnet.route.tracker import StageOffer, build_route, CompatClass
 
 from conftest import THREADS, last_json_line, meshnet, whole_model_tokens
 from peers import FakeCoordinator, FakeWorker, capability, start_worker, wait_until
-from meshnet.cli.main import _status_table
+from meshnet.cli.mesh import _status_table
 
 PROMPT = "The old lighthouse keeper climbed the stairs every night, and"
 HALVES = [(0, 15), (15, 30)]

@@ -1,0 +1,252 @@
+"""The commands of a mesh across hosts: `meshnet worker`, `meshnet coordinator`,
+`meshnet keys` and `meshnet status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from meshnet.cli.local import TextStreamer
+from meshnet.cli.options import fail, numerics_option, parse_size, refuse_open_without_keys, resume_options, usage_error
+from meshnet.core import defaults
+from meshnet.core import errors
+from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import LayerRange
+from meshnet.engine import models
+
+
+@click.command()
+@click.option("--coordinator", required=True, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
+@click.option("--model", default=None, help="model name or GGUF path [default: smollm2]")
+@click.option("--layers", required=True, callback=usage_error(lambda v: None if v == "auto" else LayerRange.parse(v)),
+              help="the half-open layer range A:B this worker holds, e.g. 0:15, or 'auto': the coordinator plans it "
+                   "within --mem")
+@click.option("--mem", default=None, callback=usage_error(parse_size),
+              help="memory this worker admits, e.g. 800M or 1.5G (with --layers auto: the planner's budget for it)")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True, help="context tokens per session")
+@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=defaults.MAX_SESSIONS, show_default=True)
+@click.option("--max-queue", type=click.IntRange(min=1), default=None, help="steps waiting on the stage before 'busy'")
+@click.option("--data-bind", default="tcp://127.0.0.1:0", show_default=True,
+              help="where this stage takes its inputs from the previous stage (loopback unless you say otherwise)")
+@click.option("--cpu", type=click.IntRange(min=0), default=None,
+              help="pin the data path (the stage loop and ZeroMQ's I/O thread) to this CPU; with several stages on "
+                   "one machine, give each its own")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=None, help="seconds [default: 0.25]")
+@click.option("--heartbeat-liveness", type=click.IntRange(min=1), default=None, help="missed beats before the peer is dead [default: 8]")
+@click.option("--secret", "secret_file", default=None,
+              help="this worker's CURVE key (NAME.key_secret from meshnet keys generate): the link to the "
+                   "coordinator is encrypted and authenticated (needs --coordinator-key)")
+@click.option("--coordinator-key", "coordinator_key_file", default=None, help="the coordinator's public key file (NAME.key)")
+@click.option("--insecure", is_flag=True, help="serve a non-loopback --data-bind without keys: anyone who can reach it "
+                                                 "may send this stage activations")
+@click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
+                                            "make GPU=cuda); it then reports backend CUDA and the GPU's name")
+@numerics_option(baseline=True)
+def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
+    """Serve one layer range of a model to a coordinator until SIGTERM."""
+    from meshnet.net import security
+    from meshnet.stage.worker import StageWorker, WorkerConfig
+
+    if layers is None and mem is None:
+        raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
+    if (secret_file is None) != (coordinator_key_file is None):
+        raise click.UsageError("--secret and --coordinator-key go together: this worker's key and the coordinator's")
+    refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
+    if numerics == "baseline":
+        # the engine before the classes turned the tiled matmul off for its whole process
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    try:
+        path, sha256 = models.resolve(model)
+        config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
+                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
+                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics,
+                              keys=security.load_secret(secret_file) if secret_file else None,
+                              coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None)
+        if max_queue is not None:
+            config.max_queue = max_queue
+        if heartbeat_interval is not None:
+            config.heartbeat_interval = heartbeat_interval
+        if heartbeat_liveness is not None:
+            config.heartbeat_liveness = heartbeat_liveness
+        sys.exit(StageWorker(config).run())
+    except MeshnetError as e:
+        fail(e)
+
+
+@click.command()
+@click.option("--bind", default="tcp://127.0.0.1:5555", show_default=True,
+              help="address of the ROUTER socket workers connect to (loopback unless you say otherwise)")
+@click.option("--prompt", default=None, help="once the route is whole, generate from this text and exit")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--wait", type=click.FloatRange(min=0), default=300, show_default=True,
+              help="seconds to wait for a whole route before giving up (with --prompt)")
+@click.option("--json", "as_json", is_flag=True, help="with --prompt: one JSON object on the last line")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+              help="serve Prometheus text at /metrics and JSON at /status on this port (127.0.0.1)")
+@click.option("--allow-mixed", is_flag=True,
+              help="let workers of another compatibility class (model file, engine pin, backend, wire dtype) into "
+                   "the route; every run then reports its drift from the whole model (needs --reference)")
+@click.option("--reference", default=None, help="with --allow-mixed: the whole model (name or GGUF path) runs are compared with")
+@click.option("--data-bind", default=None,
+              help="where the stages send tokens back, e.g. tcp://10.0.0.1:5556 (a fixed port for a firewall) "
+                   "[default: the --bind address's host, a free port]")
+@click.option("--secret", "secret_file", default=None,
+              help="the coordinator's CURVE key (NAME.key_secret): workers must connect with a key in --allow")
+@click.option("--allow", "allow_path", default=None, help="the workers' public keys: a NAME.key file or a directory of them")
+@click.option("--insecure", is_flag=True, help="serve a non-loopback --bind without keys: anyone who can reach it may "
+                                                 "register as a worker")
+@resume_options
+def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
+                allow_path, insecure, resume_wait, max_resumes):
+    """Track stage workers and route sessions through them.
+
+    Without --prompt it serves until Ctrl-C, printing each change of the route."""
+    import time
+
+    from meshnet.core.text import utf8_or_error
+    from meshnet.evidence.drift import DriftMeter
+    from meshnet.net import security
+    from meshnet.net.metrics_server import MetricsServer
+    from meshnet.route.config import CoordinatorConfig
+    from meshnet.route.coordinator import Coordinator
+
+    if allow_mixed and reference is None:
+        raise click.UsageError("--allow-mixed needs --reference MODEL: a mixed route's output is compared with it")
+    if (secret_file is None) != (allow_path is None):
+        raise click.UsageError("--secret and --allow go together: the coordinator's key and the workers' keys")
+    refuse_open_without_keys("--bind", bind, secret_file, insecure)
+    if data_bind is not None:
+        refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
+    try:
+        if prompt is not None:
+            utf8_or_error(prompt, "--prompt")
+        reference_path = str(models.resolve(reference)[0]) if reference else None
+        keys = security.load_secret(secret_file) if secret_file else None
+        allowed = security.load_allowed(allow_path) if allow_path else None
+        config = CoordinatorConfig(bind, data_bind=data_bind, allow_mixed=allow_mixed, keys=keys,
+                                   allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes)
+        coord = Coordinator(config, drift_meter=DriftMeter(reference_path) if reference_path else None)
+    except MeshnetError as e:
+        fail(e)
+    with coord:
+        click.echo(f"coordinator listening on {coord.endpoint}", err=True)
+        if metrics_port is not None:
+            server = MetricsServer(coord.metrics, metrics_port)
+            click.echo(f"metrics on http://127.0.0.1:{server.port}/metrics and /status", err=True)
+        if prompt is None:
+            last = None
+            try:
+                while True:
+                    report = coord.route_report()
+                    status = ("route " + " ".join(report["route"]) + (" (mixed classes)" if report.get("mixed") else "")
+                              if report["route"] else f"no route: {report['error']}")
+                    status += "".join(f"\n  kept out {name}: {why}" for name, why in report["kept_out"].items())
+                    if report["route"]:   # without a route the reason already names them
+                        status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
+                    if status != last:
+                        click.echo(status, err=True)
+                        last = status
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                return
+        try:
+            coord.wait_for_route(wait)
+            tokens = coord.tokenize(prompt)
+            session = coord.generate(tokens, max_tokens)
+            stream = None if as_json else TextStreamer(prompt)
+            for event in session:
+                if stream:
+                    stream(event.piece)
+            text = coord.detokenize(session.tokens)
+        except MeshnetError as e:
+            fail(e)
+        if as_json:
+            # each stage's own numbers (RSS, model and KV bytes, forwards), asked before the
+            # workers are left: the run's evidence from every host
+            click.echo(json.dumps({"tokens": session.tokens, "text": text,
+                                   "metrics": dict(session.metrics, stop_reason=session.stop_reason),
+                                   "stages": coord.metrics()["stages"],
+                                   "mechanisms": {"control": security.mechanism(coord.router),
+                                                  "data": security.mechanism(coord.data)}}))
+        else:
+            stream.finish()
+            if "drift" in session.metrics:
+                drift = session.metrics["drift"]
+                click.echo(f"mixed route: top-1 agreement {drift['top1_agreement']:.3f}, max |logit diff| "
+                           f"{drift['max_abs_logit_diff']:.4g} over {len(drift['steps'])} steps", err=True)
+
+
+@click.group()
+def keys():
+    """CURVE keys for encrypted, authenticated links between coordinator and workers."""
+
+
+@keys.command("generate")
+@click.argument("directory")
+@click.option("--name", required=True, help="the key's name: writes NAME.key (public) and NAME.key_secret")
+def keys_generate(directory, name):
+    """Write a key pair into DIRECTORY (give NAME.key to the peers, keep NAME.key_secret)."""
+    from meshnet.net import security
+
+    try:
+        public, secret = security.generate(directory, name)
+    except MeshnetError as e:
+        fail(e)
+    click.echo(f"public key {public} (hand it to the peers); secret key {secret} (keep it here)")
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:9464", show_default=True,
+              help="a coordinator's metrics address (meshnet coordinator --metrics-port)")
+@click.option("--watch", type=click.FloatRange(min=0.2), default=None, help="refresh every N seconds")
+@click.option("--json", "as_json", is_flag=True)
+def status(url, watch, as_json):
+    """Show a running coordinator's stages: memory, KV, queue, hops, failures."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    timeout = 10
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
+                snapshot = json.loads(response.read())
+        except TimeoutError:
+            fail(MeshnetError(errors.TIMEOUT, f"the coordinator at {url} did not answer within {timeout} s"))
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):  # a timeout while connecting comes wrapped
+                fail(MeshnetError(errors.TIMEOUT, f"the coordinator at {url} did not answer within {timeout} s"))
+            fail(MeshnetError(errors.UNREACHABLE, f"no coordinator metrics at {url}: {e.reason}"))
+        except (OSError, ValueError) as e:
+            fail(MeshnetError(errors.UNREACHABLE, f"no coordinator metrics at {url}: {e}"))
+        if as_json:
+            click.echo(json.dumps(snapshot))
+        else:
+            click.echo(_status_table(snapshot))
+        if watch is None:
+            return
+        time.sleep(watch)
+
+
+def _status_table(snapshot: dict) -> str:
+    mib = 1 << 20
+    rows = [f"{'stage':<10} {'worker':<12} {'rss MiB':>8} {'model MiB':>9} {'KV used MiB':>11} {'sessions':>8} "
+            f"{'queue':>5} {'hop p50 us':>10} {'p99 us':>8} {'seam MiB':>8} failures"]
+    for s in snapshot["stages"]:
+        def num(key, scale=1, fmt="{:.1f}"):
+            return fmt.format(s[key] / scale) if s.get(key) is not None else "-"
+        failures = ", ".join(f"{k}={v}" for k, v in {**s.get("errors", {}), **s.get("reply_errors", {})}.items()) or "0"
+        if s.get("unreachable"):  # what the coordinator knows of a worker that did not answer
+            failures = f"SILENT (last heard {s.get('last_heard_s', 0):.1f} s ago: {s['unreachable']}); {failures}"
+        rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "
+                    f"{num('kv_bytes_used', mib):>11} {num('n_sessions', fmt='{:.0f}'):>8} {num('queue_depth', fmt='{:.0f}'):>5} "
+                    f"{num('hop_us_p50', fmt='{:.0f}'):>10} {num('hop_us_p99', fmt='{:.0f}'):>8} {num('seam_bytes', mib):>8} {failures}"
+                    + ("" if s.get("in_route", True) else f"  NOT IN THE ROUTE: {s.get('kept_out') or 'no route'}"))
+    sessions = ", ".join(f"{k} {v}" for k, v in snapshot["sessions"].items())
+    route = f"\nno route: {snapshot['route_error']}" if snapshot.get("route_error") else ""
+    return "\n".join(rows) + f"\nsessions: {sessions}" + route

@@ -1,0 +1,65 @@
+"""`meshnet serve`: OpenAI's HTTP API over local workers or a coordinator."""
+
+from __future__ import annotations
+
+
+import click
+
+from meshnet.cli.options import fail, numerics_option, refuse_open_without_keys, resume_options
+from meshnet.core import defaults
+from meshnet.core.errors import MeshnetError
+
+@click.command()
+@click.option("--model", default=None, help="model name or GGUF path; clients ask for it by its name (a path's file "
+                                            "stem) [default: smollm2]")
+@click.option("--host", default="127.0.0.1", show_default=True, help="the HTTP address (loopback unless you say otherwise)")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True, help="0: a free port")
+@click.option("--api-key", envvar="MESHNET_API_KEY", default=None,
+              help="clients must send 'Authorization: Bearer KEY' on /v1 [env: MESHNET_API_KEY]")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="local workers: N stages [default: 2]")
+@click.option("--threads", type=click.IntRange(min=0), default=None, help="local workers: threads per stage [default: one per core]")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
+              help=f"local workers: context tokens per session [default: {defaults.N_CTX}]")
+@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=None,
+              help=f"local workers: sessions at once; beyond them a request gets 429 [default: {defaults.MAX_SESSIONS}]")
+@click.option("--coordinator", "bind", default=None,
+              help="instead of local workers, bind a coordinator here (e.g. tcp://0.0.0.0:5555) and serve through the "
+                   "meshnet workers that connect to it")
+@click.option("--secret", "secret_file", default=None, help="with --coordinator: its CURVE key (NAME.key_secret)")
+@click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
+@click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
+                                            "(--host); local workers: plain links instead of fresh CURVE keys")
+
+
+@numerics_option
+@resume_options
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
+          numerics, resume_wait, max_resumes):
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
+    from meshnet.net import security
+    from meshnet.serve.launch import listen
+    from meshnet.serve.launch import serve as run_server
+
+    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions,
+             "--numerics": numerics}
+    if bind is not None and any(v is not None for v in local.values()):
+        raise click.UsageError(f"{next(k for k, v in local.items() if v is not None)} is for local workers: with "
+                               "--coordinator, give it to each meshnet worker")
+    if (secret_file is None) != (allow_path is None) or (secret_file is not None and bind is None):
+        raise click.UsageError("--secret and --allow go together, with --coordinator")
+    if bind is not None:
+        refuse_open_without_keys("--coordinator", bind, secret_file, insecure)
+    if api_key is None and not security.is_loopback(f"tcp://{host}:{port}"):
+        if not insecure:
+            raise click.UsageError(f"--host {host} is reachable beyond this machine and no --api-key is given: anyone "
+                                   "could use the model. Give --api-key (or MESHNET_API_KEY), or --insecure")
+        click.echo(f"WARNING: --host {host} without --api-key (--insecure): anyone who can reach it can use it", err=True)
+    try:
+        options = {"keys": security.load_secret(secret_file),
+                   "allowed_workers": security.load_allowed(allow_path)} if secret_file else {}
+        options.update(resume_wait=resume_wait, max_resumes=max_resumes)
+        run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
+                   stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
+                   secure=not insecure, numerics=numerics, echo=lambda line: click.echo(line, err=True))
+    except MeshnetError as e:
+        fail(e)
