@@ -19,9 +19,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
-from meshnet.core import errors
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
@@ -32,13 +29,12 @@ from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence import reference as stock_reference
 from meshnet.evidence.prompts import CLASS_CHECK, SHORT
+from meshnet.evidence.route_checks import N_TOKENS, RouteChecks, max_diff, run_route_checks
 from meshnet.launch.local_cluster import LocalCluster, start_auto_worker
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
 SCHEMA_VERSION = 1
-N_TOKENS = 32
-STAGE_LOST_BOUND_S = 3.0
 AUTO_CTX, AUTO_SESSIONS = 1024, 4    # what the --layers auto workers keep KV for
 CHECK_NAMES = ("whole_model_parity", "greedy_decode_32", "four_session_isolation", "cancellation", "cleanup",
                "kill_worker", "planned_route", "standby_replaces_lost_stage", "stock_llama_cpp_invariant",
@@ -121,8 +117,28 @@ def _identity(model: str, path: Path, sha256: str) -> dict:
     }
 
 
-def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+def _write_run(out_dir, started, model, path, sha256, ranges, numerics, commands, checks: Checks,
+               metrics: dict) -> tuple[dict, Path]:
+    """The run's directory under OUT_DIR: its manifest and the README that reads it."""
+    run_id = f"{started.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "started_utc": started.isoformat(),
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "identity": _identity(model, path, sha256),
+        "stages": [list(r) for r in ranges],
+        "numerics": numerics,
+        "commands": commands,
+        "checks": checks.results,
+        "metrics": metrics,
+        "passed": checks.passed,
+    }
+    run_dir = Path(out_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float) + "\n")
+    (run_dir / "README.md").write_text(_readme(manifest))
+    return manifest, run_dir
 
 
 def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", threads: int = 0,
@@ -152,100 +168,9 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
                  for a, b in ranges]
     try:
         cluster.start()
-        coordinator = cluster.coordinator
-
-        def parity():
-            tokens, expected = reference[SHORT[0]]
-            got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False, want_logits=True).result()
-            diff = _max_diff(got.logits, expected.logits)
-            metrics["session"] = got.metrics
-            return got.tokens == expected.tokens and diff == 0.0, {
-                "tokens_equal": got.tokens == expected.tokens, "max_abs_logit_diff": diff,
-                "tokens": got.tokens, "whole_model_tokens": expected.tokens}
-
-        def greedy_decode():
-            tokens, expected = reference[SHORT[1]]
-            got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False).result()
-            return len(got.tokens) == N_TOKENS and got.tokens == expected.tokens, {
-                "generated": len(got.tokens), "decode_tok_s": got.metrics["decode_tok_s"],
-                "text": coordinator.detokenize(got.tokens)}
-
-        def isolation():
-            sessions = [coordinator.generate(reference[p][0], N_TOKENS, stop_at_eog=False) for p in SHORT]
-            same = [s.result().tokens == reference[p][1].tokens for p, s in zip(SHORT, sessions)]
-            return all(same), {"sessions": len(SHORT), "each_equals_alone": same}
-
-        def cancellation():
-            keep = coordinator.generate(reference[SHORT[2]][0], N_TOKENS, stop_at_eog=False)
-            victim = coordinator.generate(reference[SHORT[3]][0], 500, stop_at_eog=False)
-            for i, _ in enumerate(victim):
-                if i == 3:
-                    break
-            t0 = time.monotonic()
-            victim.cancel()
-            code = None
-            try:
-                victim.result()
-            except MeshnetError as e:
-                code = e.code
-            cancel_ms = (time.monotonic() - t0) * 1000
-            other_ok = keep.result().tokens == reference[SHORT[2]][1].tokens
-            return code == errors.CANCELLED and other_ok, {"error_code": code, "ms_to_cancelled": cancel_ms,
-                                                      "other_session_unchanged": other_ok}
-
-        def cleanup():
-            deadline = time.monotonic() + 5
-            while True:
-                stats = coordinator.stage_stats()
-                clean = all(s["n_sessions"] == 0 and s["kv_bytes_used"] == 0 for s in stats)
-                if clean or time.monotonic() > deadline:
-                    return clean, {"stages": [{k: s[k] for k in ("layers", "n_sessions", "kv_bytes_used", "kv_bytes")}
-                                              for s in stats]}
-                time.sleep(0.05)
-
-        def kill_worker():
-            victim_range = ranges[-1]
-            session = coordinator.generate(reference[SHORT[0]][0], 500, stop_at_eog=False)
-            next(iter(session))
-            os.kill(cluster.processes[victim_range.as_tuple()].pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            error = None
-            try:
-                session.result()
-            except MeshnetError as e:
-                error = e.to_dict()
-            seconds = time.monotonic() - t0
-            structured = bool(error) and error.get("code") == errors.STAGE_LOST and \
-                error.get("stage") == victim_range.label and "elapsed_ms" in error
-            cluster.spawn_worker(victim_range)
-            coordinator.wait_for_route(60, n_stages=len(ranges))
-            again = coordinator.generate(reference[SHORT[1]][0], N_TOKENS, stop_at_eog=False).result()
-            recovered = again.tokens == reference[SHORT[1]][1].tokens
-            return structured and seconds <= STAGE_LOST_BOUND_S and recovered, {
-                "error": error, "seconds_to_error": seconds, "bound_seconds": STAGE_LOST_BOUND_S,
-                "new_session_after_replacement_ok": recovered}
-
-        checks.run("whole_model_parity", f"2 worker processes vs the whole model in one process: prompt + {N_TOKENS} "
-                   "greedy tokens, same tokens and max |dlogit| == 0", parity)
-        checks.run("greedy_decode_32", f"{N_TOKENS}-token greedy decode over the workers", greedy_decode)
-        if numerics == numerics_classes.STOCK:
-            # stock kernels change with the rows in a call: sessions batched together may
-            # get other tokens than alone (README, Numerics)
-            why = "the stock numerics class does not promise a batched session its tokens alone"
-            checks.not_promised("four_session_isolation", "4 concurrent sessions each give the tokens they give "
-                                "alone", why)
-            checks.not_promised("cancellation", "cancel one session mid-decode: 'cancelled' comes back, the other "
-                                "is unchanged", why)
-        else:
-            checks.run("four_session_isolation", "4 concurrent sessions each give the tokens they give alone",
-                       isolation)
-            checks.run("cancellation", "cancel one session mid-decode: 'cancelled' comes back, the other is "
-                       "unchanged", cancellation)
-        checks.run("cleanup", "every stage's KV back to zero after all sessions ended", cleanup)
-        checks.run("kill_worker", f"kill -9 of the tail mid-decode: structured stage_lost within {STAGE_LOST_BOUND_S} s; "
-                   "a replacement restores service", kill_worker)
+        run_route_checks(checks, RouteChecks(cluster, ranges, reference, metrics), numerics)
         try:
-            metrics["stages"] = coordinator.metrics()["stages"]
+            metrics["stages"] = cluster.coordinator.metrics()["stages"]
         except MeshnetError as e:
             metrics["stages_error"] = e.message
     except MeshnetError as e:  # the cluster did not start: every check is recorded as not run
@@ -259,25 +184,7 @@ def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", thr
     for numerics_class in numerics_classes.CHOICES:
         _stock_reference_check(checks, path, ranges, numerics_class, threads, commands)
 
-    run_id = f"{started.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "run_id": run_id,
-        "started_utc": started.isoformat(),
-        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "identity": _identity(model, path, sha256),
-        "stages": [list(r) for r in ranges],
-        "numerics": numerics,
-        "commands": commands,
-        "checks": checks.results,
-        "metrics": metrics,
-        "passed": checks.passed,
-    }
-    run_dir = Path(out_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=float) + "\n")
-    (run_dir / "README.md").write_text(_readme(manifest))
-    return manifest, run_dir
+    return _write_run(out_dir, started, model, path, sha256, ranges, numerics, commands, checks, metrics)
 
 
 def _smallest_split_budget(cost: ModelCost, settings: Settings) -> int:
@@ -332,7 +239,7 @@ def _planned_route_checks(checks: Checks, path, layout, reference: dict, threads
         got = coordinator.generate(tokens, N_TOKENS, stop_at_eog=False, want_logits=True).result(120)
         pids = {tuple(w["layers"]): w["pid"] for w in coordinator.workers_snapshot() if "layers" in w}
         rss = {LayerRange(*k).label: _rss_bytes(pid) for k, pid in pids.items()}
-        diff = _max_diff(got.logits, expected.logits)
+        diff = max_diff(got.logits, expected.logits)
         return got.tokens == expected.tokens and diff == 0.0 and all(v <= mem for v in rss.values()), {
             "budget_bytes": mem, "budget": format_size(mem), "one_node_refused": _refused_alone(cost, mem, settings),
             "model_weight_bytes": whole_need, "route": route_now(), "rss_bytes": rss,

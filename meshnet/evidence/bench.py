@@ -140,9 +140,17 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         for close in reversed(closers):
             close()
 
-    report = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
-              "prompts": len(PROSE), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
-              "n_embd": layout.n_embd, "numerics": list(numerics), "configs": {}}
+    settings = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
+                "prompts": len(PROSE), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
+                "n_embd": layout.n_embd, "numerics": list(numerics)}
+    return bench_report(settings, samples, first_class)
+
+
+def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str) -> dict:
+    """The run's settings with each configuration's medians, and the ratios side by side:
+    against the whole model, workers over stages, keys over none, class over class."""
+    numerics = settings["numerics"]
+    report = dict(settings, configs={})
     base = samples.get("whole")
     for label, s in samples.items():
         entry = {"label": s.label, "rss_bytes": s.rss_bytes}
