@@ -283,3 +283,17 @@ def pure_logic_only_in_unit_tests(request, monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", _refuse("a thread"))
     monkeypatch.setattr(binding, "library", _refuse("the engine library"))
     yield
+
+
+# The layers, one folder each, and a marker each, so that `pytest -m "not system"` or
+# `pytest -m unit` picks a layer wherever its tests are named
+LAYERS = ("unit", "engine", "process", "system")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        layer = os.path.relpath(str(item.path), tests_dir).split(os.sep)[0]
+        if layer not in LAYERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(LAYERS)}}}")
+        item.add_marker(getattr(pytest.mark, layer))

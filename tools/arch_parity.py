@@ -7,7 +7,7 @@ its own (a graph that asserts aborts its process): the table of what splits exac
 Prints one line per model: exact, differs (the worst check and its max |diff|), or the
 error. Every architecture is tried, listed as splitting or not (the engine's refusal is
 lifted with MESHNET_TRIAGE_ANY_ARCH=1 in the children); --table keeps the refusal. This is how a new pin is triaged before engine_c/architectures.tsv is updated;
-the tests (tests/test_architectures.py) hold the table to it.
+the tests (tests/engine/test_architectures.py) hold the table to it.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def markdown(lines: list[Line]) -> str:
     text_gen = [l for l in lines if l.status != "not-text"]
     out = [f"**{len(splits)} of the {len(text_gen)} text-generation architectures of the pin split**, "
            "each with logits max |diff| exactly 0 against the whole model, on a generated random-weight "
-           f"model (2 and 3 stages, batched, token by token: `tests/test_architectures.py`). "
+           f"model (2 and 3 stages, batched, token by token: `tests/engine/test_architectures.py`). "
            f"{len(lines) - len(text_gen)} more are not text generation.",
            "",
            "Split: " + ", ".join(f"`{a}`" for a in splits) + ".",

@@ -2,7 +2,7 @@
 """Measure what `meshnet run` does when one of its worker processes dies or freezes.
 
 Each trial starts `python -m meshnet.cli.main run --max-tokens N --prompt P`, picks one of its
-worker children (children by the parent pid in /proc/*/stat, as tests/test_cli.py does)
+worker children (children by the parent pid in /proc/*/stat, as tests/system/test_cli.py does)
 and, at a seeded random moment, sends it SIGKILL ("kill") or SIGSTOP ("stop"). The
 moment is either early, a random 0..--early-max seconds after the child appears (so
 often before the route forms), or late, a random 0..--late-max seconds after the first

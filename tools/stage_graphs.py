@@ -17,7 +17,7 @@ the residual, which has had it.
 The edit is made on the source's structure (statements and blocks, found by matching
 brackets outside comments and strings), not by hand, so a new pin is patched again by
 running this. Whether a graph is then right for a range is for the tests to say
-(tests/test_architectures.py); engine_c/architectures.tsv lists only what passes.
+(tests/engine/test_architectures.py); engine_c/architectures.tsv lists only what passes.
 """
 
 from __future__ import annotations

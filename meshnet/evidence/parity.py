@@ -2,7 +2,7 @@
 logits bit for bit?
 
 The check an architecture passes before the support table lists it as splitting
-(engine_c/architectures.tsv; tests/test_architectures.py): a prompt fed in uneven
+(engine_c/architectures.tsv; tests/engine/test_architectures.py): a prompt fed in uneven
 chunks, then greedy steps, through the whole model and through each split, every
 logit compared; two sessions batched together; the prompt fed token by token. Pure
 engine, no sockets: each stage is a meshnet.engine.binding.Stage of this process.

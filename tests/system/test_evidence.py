@@ -16,7 +16,7 @@ from meshnet.net.metrics_server import MetricsServer
 
 from conftest import THREADS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "evidence" / "manifest.schema.json").read_text())
 
 

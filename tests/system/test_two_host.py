@@ -18,7 +18,7 @@ from meshnet.engine.gguf_layout import read_layout
 
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
 
-SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "two-host.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "two-host.sh"
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 RUN_ID = re.compile(r"meshnet-two-host-\d{8}-\d{6}-\d+")
 # bounds for a loaded 2-core machine, where a run that takes 10 s alone has taken minutes;

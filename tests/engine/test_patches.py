@@ -6,7 +6,7 @@ from pathlib import Path
 
 from meshnet.engine.binding import Stage, engine_pin
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATCHES = sorted((ROOT / "engine_c" / "patches").glob("*.patch"))
 PRISTINE = ROOT / "build" / "llama.cpp-pristine"
 TREE = ROOT / "build" / "llama.cpp"

@@ -42,7 +42,7 @@ def test_a_cpu_route_drifts_by_exactly_nothing(smollm2_path):
 
 def test_a_gpu_stage_without_a_gpu_engine_is_refused_with_a_clear_error(smollm2_path):
     # no GPU engine built (this machine has no GPU): the worker names the make target
-    if not (Path(__file__).resolve().parent.parent / "build" / "cuda" / "libmeshnet_engine.so").exists():
+    if not (Path(__file__).resolve().parents[2] / "build" / "cuda" / "libmeshnet_engine.so").exists():
         result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "drift", "--model", smollm2_path, "--stages", "2",
                                  "--gpu", "0", "--tokens", "2", "--threads", str(THREADS)],
                                 capture_output=True, text=True, timeout=300)

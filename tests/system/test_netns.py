@@ -21,7 +21,7 @@ from meshnet.engine.gguf_layout import read_layout
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
 from peers import alive
 
-SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "netns-two-host.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "netns-two-host.sh"
 CANNOT = 77   # the script's "no namespaces here", with the reason on stderr
 # a bound for a loaded 2-core machine (a run takes 15 s alone): one that hits it is stopped
 # with everything it started, and its progress is shown

@@ -23,7 +23,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    """One server for the module, as tests/test_serve.py starts it."""
+    """One server for the module, as tests/system/test_serve.py starts it."""
     with serving("--ctx", "1024", "--max-sessions", "2", env=dict(os.environ, MESHNET_API_KEY=KEY)) as (url, *_):
         yield url
 
