@@ -119,12 +119,12 @@ class FakeCoordinator:
     def open(self, sid, prompt_len=1, max_tokens=64, key=KEY, stage=None, **fields):
         """OPEN a session whose every output comes back to this fake."""
         if stage is None:
-            stage = 0 if self.capability["layers"][0] == 0 else 1
+            stage = 0 if self.capability.layers[0] == 0 else 1
         return self.request(P.OPEN, sid=sid, key=key, stage=stage, next=self.data_endpoint, reply=self.data_endpoint,
                             prompt_len=prompt_len, max_tokens=max_tokens, stop_at_eog=False, **fields)
 
     def send_data(self, frames, endpoint=None):
-        endpoint = endpoint or self.capability["data_endpoint"]
+        endpoint = endpoint or self.capability.data_endpoint
         if endpoint not in self.pushes:
             sock = self.pushes[endpoint] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -159,7 +159,7 @@ class FakeCoordinator:
     def forward(self, sid, pos, tokens=None, residual=None, **fields):
         """One step through the worker: what came of it (ACT rows, a TOKEN, or an ERROR)."""
         self.act(sid, pos, tokens=tokens, residual=residual, **fields)
-        return self.outcome(skip=(P.TOOK,) if self.capability["layers"][1] < self.capability["n_layer"]
+        return self.outcome(skip=(P.TOOK,) if self.capability.layers[1] < self.capability.n_layer
                             else (P.TOOK, P.ACT))
 
     def close(self):

@@ -24,9 +24,9 @@ import msgpack
 import numpy as np
 
 from meshnet.core import errors as E
-from meshnet.core import numerics
-from meshnet.core.errors import MeshnetError
-from meshnet.core.sampling import Sampling
+from meshnet.net.capability import Capability
+from meshnet.net.fields import (BOOL, DICT, INT, LIST, STR, ProtocolError, checked, curve_key, endpoint, is_int,
+                                layer_range, nonneg, positive, sampling, seams, tokens, u64)
 
 VERSION = 6   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
@@ -57,32 +57,9 @@ TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken 
 TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
 
 MAX_HEADER_BYTES = 64 * 1024
-# what a capability may claim: far above any real model (the largest have under 200
-# layers), and low enough that no claim makes the coordinator's planning or routing
-# costly (both are linear in the layers)
-MAX_LAYERS = 4096
-MAX_EMBD = 1 << 16
-MAX_VOCAB = 1 << 22
-MAX_CTX = 1 << 24
-MAX_BATCH = 1 << 16
-MAX_SESSIONS = 1 << 12
 # the longest text a text request carries: a prompt of many contexts' worth is refused
 # before it is sent (see coordinator.tokenize)
 MAX_TEXT_BYTES = 8 << 20
-U64_MAX = (1 << 64) - 1
-
-
-
-class ProtocolError(MeshnetError):
-    """A message that cannot be used; rid is set when the sender's request id was readable,
-    msg_type when its type was."""
-
-    msg_type: str | None = None
-
-    def __init__(self, code: str, message: str, rid: int | None = None, sid: int | None = None):
-        super().__init__(code, message)
-        self.rid = rid
-        self.sid = sid
 
 
 @dataclass
@@ -99,251 +76,86 @@ class Message:
         return self.fields.get(key, default)
 
 
-# field checks: (python types, required, extra check or None)
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
-
-
-def _u64(v):
-    return 0 <= v <= U64_MAX
-
-
-def _nonneg(v):
-    return 0 <= v < 1 << 31
-
-
-def _positive(v):
-    return 0 < v < 1 << 31
-
-
-def _tokens(v):
-    return all(_is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
-
-
-def _range(v):
-    return len(v) == 2 and all(_is_int(d) and 0 <= d <= MAX_LAYERS for d in v) and v[0] < v[1]
-
-
-def _at_most(limit):
-    return lambda v: 0 < v <= limit
-
-
-def _seams(v):
-    return len(v) <= 4096 and all(isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(x) for x in s)
-                                  and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
-
-
-def _sampling(v):
-    try:
-        Sampling.from_wire(v)
-        return True
-    except MeshnetError:
-        return False
-
-
 def _messages(v):
     return 0 < len(v) <= 4096 and all(isinstance(m, dict) and set(m) == {"role", "content"}
                                       and all(isinstance(x, str) for x in m.values()) for m in v)
 
 
-def _endpoint(v):
-    return 0 < len(v) <= 256 and "://" in v
-
-
-def _sha256(v):
-    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
-
-
-def _curve_key(v):
-    return len(v) == 40 and all(c in _Z85 for c in v)
-
-
-_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
-
-
-def _short_text(v):
-    return 0 < len(v) <= 256
-
-
-INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
-
 SCHEMAS: dict[str, dict[str, tuple]] = {
-    READY: {"capability": (DICT, True, None),    # its fields: CAPABILITY_FIELDS
-            "epoch": (INT, False, _u64)},         # one more each time the worker dropped its sessions
+    READY: {"capability": (DICT, True, None),    # its fields: capability.FIELDS
+            "epoch": (INT, False, u64)},         # one more each time the worker dropped its sessions
     HEARTBEAT: {},
     GOODBYE: {},
     DISCONNECT: {},
     HEALTH: {},
     CAPABILITY: {},
     OPEN: {
-        "sid": (INT, True, _u64),
-        "key": (INT, True, _u64),                  # the session's data-plane key
+        "sid": (INT, True, u64),
+        "key": (INT, True, u64),                  # the session's data-plane key
         "stage": (INT, True, lambda v: 0 <= v < 1 << 16),   # this stage's place in the route
-        "next": (STR, True, _endpoint),            # where this stage's output goes (the tail: the head)
-        "reply": (STR, True, _endpoint),           # the coordinator's data endpoint
-        "prompt_len": (INT, True, _positive),
-        "max_tokens": (INT, True, _positive),
+        "next": (STR, True, endpoint),            # where this stage's output goes (the tail: the head)
+        "reply": (STR, True, endpoint),           # the coordinator's data endpoint
+        "prompt_len": (INT, True, positive),
+        "max_tokens": (INT, True, positive),
         "stop_at_eog": (BOOL, True, None),
         "logits": (BOOL, False, None),             # the tail sends each token's logits
         "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
         "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
-        "next_key": (STR, False, _curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
-        "prev_key": (STR, False, _curve_key),      # ... and the previous stage's, which may push to this one
-        "sampling": (DICT, False, _sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...
-        "history": (LIST, False, _tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
+        "next_key": (STR, False, curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
+        "prev_key": (STR, False, curve_key),      # ... and the previous stage's, which may push to this one
+        "sampling": (DICT, False, sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...
+        "history": (LIST, False, tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
     },
-    CANCEL: {"sid": (INT, True, _u64)},
-    RELEASE: {"sid": (INT, True, _u64)},
+    CANCEL: {"sid": (INT, True, u64)},
+    RELEASE: {"sid": (INT, True, u64)},
     SHUTDOWN: {},
-    ASSIGN: {"layers": (LIST, True, _range)},
+    ASSIGN: {"layers": (LIST, True, layer_range)},
     TOKENIZE: {"add_special": (BOOL, False, None), "parse_special": (BOOL, False, None),
-               "limit": (INT, False, _positive)},          # more tokens than this: context_full, none sent back
+               "limit": (INT, False, positive)},          # more tokens than this: context_full, none sent back
     DETOKENIZE: {},
     TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
-    OK: {"sid": (INT, False, _u64), "info": (DICT, False, None)},
+    OK: {"sid": (INT, False, u64), "info": (DICT, False, None)},
     ERROR: {
         "code": (STR, True, None),
         "message": (STR, True, None),
-        "sid": (INT, False, _u64),
+        "sid": (INT, False, u64),
         "context": (DICT, False, None),
     },
     # the data plane: every message names its session and carries the session's key
     ACT: {
-        "sid": (INT, True, _u64),
-        "key": (INT, True, _u64),
-        "pos": (INT, True, _nonneg),
-        "n": (INT, True, _positive),
-        "tokens": (LIST, False, _tokens),          # the head's input; other stages get n x n_embd f32 rows
+        "sid": (INT, True, u64),
+        "key": (INT, True, u64),
+        "pos": (INT, True, nonneg),
+        "n": (INT, True, positive),
+        "tokens": (LIST, False, tokens),          # the head's input; other stages get n x n_embd f32 rows
         "ack": (BOOL, False, None),                # a prompt chunk: the head answers TOOK when it has taken it
-        "ts": (INT, False, _u64),                  # the sender's monotonic clock at sending, ns
-        "seams": (LIST, False, _seams),            # [seam, hop_us, bytes] for each seam this step crossed
+        "ts": (INT, False, u64),                  # the sender's monotonic clock at sending, ns
+        "seams": (LIST, False, seams),            # [seam, hop_us, bytes] for each seam this step crossed
     },
     TOOK: {
-        "sid": (INT, True, _u64),
-        "key": (INT, True, _u64),
-        "pos": (INT, True, _nonneg),
-        "n": (INT, True, _positive),
+        "sid": (INT, True, u64),
+        "key": (INT, True, u64),
+        "pos": (INT, True, nonneg),
+        "n": (INT, True, positive),
         "head": (BOOL, False, None),               # the head has taken the chunk (it asked: ack)
         "tail": (BOOL, False, None),               # the tail has finished it (a chunk before the prompt's last)
     },
     TOKEN: {
-        "sid": (INT, True, _u64),
-        "key": (INT, True, _u64),
-        "pos": (INT, True, _nonneg),
-        "n": (INT, True, _positive),
-        "token": (INT, True, _nonneg),
+        "sid": (INT, True, u64),
+        "key": (INT, True, u64),
+        "pos": (INT, True, nonneg),
+        "n": (INT, True, positive),
+        "token": (INT, True, nonneg),
         "eog": (BOOL, True, None),                 # the token ends generation
         "piece": ((bytes,), False, None),          # the token's text, for streaming
-        "logits_n": (INT, False, _positive),       # with a payload of that many f32
-        "seams": (LIST, False, _seams),            # as in ACT: since the tail's last TOKEN of this session
+        "logits_n": (INT, False, positive),       # with a payload of that many f32
+        "seams": (LIST, False, seams),            # as in ACT: since the tail's last TOKEN of this session
     },
 }
 
 
 # What a worker offers in READY. The coordinator routes sessions by these numbers, so
 # they are checked as strictly as a header: a missing or mistyped one refuses the worker.
-CAPABILITY_FIELDS: dict[str, tuple] = {
-    "worker_id": (STR, True, _short_text),       # the same for every connection of one worker process
-    "model_sha256": (STR, True, _sha256),
-    "arch": (STR, True, _short_text),
-    "layers": (LIST, False, _range),             # absent: --layers auto, waiting for the coordinator's plan
-    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
-    "n_embd": (INT, True, _at_most(MAX_EMBD)),
-    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
-    "engine_pin": (STR, True, _short_text),
-    "backend": (STR, True, _short_text),         # "CPU" or "CUDA": part of the compatibility class
-    "device": (STR, False, _short_text),         # the processor the layers run on, by name (once it holds layers)
-    "wire_dtype": (STR, True, lambda v: v == "f32"),
-    "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
-    "max_sessions": (INT, True, _at_most(MAX_SESSIONS)),
-    "n_ctx": (INT, True, _at_most(MAX_CTX)),
-    "n_batch": (INT, True, _at_most(MAX_BATCH)),
-    "admitted_bytes": (INT, True, _u64),
-    "data_endpoint": (STR, False, _endpoint),    # the PULL socket its inputs come to (once it holds layers)
-    "mem_bytes": (INT, False, _u64),             # the memory it admits (--mem): what the planner may give it
-    "cost": (DICT, False, None),                 # the model's per-layer bytes (COST_FIELDS), to plan without the file
-    "clock_id": (STR, True, _short_text),        # host and boot: equal ids share one monotonic clock
-    "n_threads": (INT, False, _positive),        # the engine's compute threads
-    "n_cpus": (INT, False, _positive),           # the CPUs this process may run on
-    "pid": (INT, False, _positive),
-    "max_token_bytes": (INT, False, _at_most(1 << 16)),   # the head: the longest text one token stands for
-}
-
-
-def _checked_fields(schema: dict, values: dict, where: str, rid, sid) -> dict:
-    fields = {}
-    for name, (types, required, check) in schema.items():
-        if name not in values:
-            if required:
-                raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
-            continue
-        value = values[name]
-        if isinstance(value, bool) and bool not in types:
-            value = None  # bool is an int subclass: never accept it as one
-        if value is None or not isinstance(value, types) or (check and not check(value)):
-            raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
-        fields[name] = value
-    unknown = set(values) - set(schema)
-    if unknown:
-        raise ProtocolError(E.BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
-    return fields
-
-
-def _byte_count(v):
-    return 0 <= v < 1 << 48
-
-
-def _per_layer_counts(v):
-    return len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)
-
-
-# a worker's model, as the planner counts it (planner.ModelCost)
-COST_FIELDS: dict[str, tuple] = {
-    "n_layer": (INT, True, _at_most(MAX_LAYERS)),
-    "layer_bytes": (LIST, True, lambda v: len(v) <= MAX_LAYERS and all(_is_int(b) and _byte_count(b) for b in v)),
-    "input_bytes": (INT, True, _byte_count),
-    "output_bytes": (INT, True, _byte_count),
-    "shared_bytes": (INT, True, _byte_count),
-    "tied_embeddings": (BOOL, True, None),
-    "token_embd_bytes": (INT, True, _byte_count),
-    "kv_bytes_per_cell": (INT, True, _byte_count),
-    "n_embd": (INT, True, _at_most(MAX_EMBD)),
-    "n_ff": (INT, True, _nonneg),
-    "n_head": (INT, True, _nonneg),
-    "n_vocab": (INT, True, _at_most(MAX_VOCAB)),
-    # per layer (planner.ModelCost): absent when the worker could not read them
-    "layer_kv_bytes": (LIST, False, _per_layer_counts),
-    "layer_window": (LIST, False, _per_layer_counts),
-    "layer_state_bytes": (LIST, False, _per_layer_counts),
-}
-
-
-def check_capability(capability: dict, rid: int | None = None) -> dict:
-    """A READY's capability, checked field by field and for consistency: a worker holds
-    a range (and serves it on its data endpoint), or waits for one within its memory."""
-    fields = _checked_fields(CAPABILITY_FIELDS, capability, "ready: capability", rid, None)
-    where = "ready: capability"
-    if "layers" in fields:
-        if fields["layers"][1] > fields["n_layer"]:
-            raise ProtocolError(E.BAD_FIELD, f"{where}: layers {fields['layers']} are outside a model of "
-                                f"{fields['n_layer']} layers", rid)
-        if "data_endpoint" not in fields:
-            raise ProtocolError(E.BAD_FIELD, f"{where}: a worker that holds layers gives its 'data_endpoint'", rid)
-    elif "mem_bytes" not in fields or "cost" not in fields:
-        raise ProtocolError(E.BAD_FIELD, f"{where}: a worker without layers gives its 'mem_bytes' and the model's "
-                            "'cost' to be planned for", rid)
-    if "cost" in fields:
-        fields["cost"] = _checked_fields(COST_FIELDS, fields["cost"], f"{where}: cost", rid, None)
-        per_layer = [fields["cost"][k] for k in ("layer_kv_bytes", "layer_window", "layer_state_bytes") if k in fields["cost"]]
-        if fields["cost"]["n_layer"] != fields["n_layer"] or len(fields["cost"]["layer_bytes"]) != fields["n_layer"] \
-                or any(len(v) != fields["n_layer"] for v in per_layer) or len(per_layer) not in (0, 3):
-            raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its layers disagree with n_layer {fields['n_layer']}", rid)
-        for name in ("n_embd", "n_vocab"):
-            if fields["cost"][name] != fields[name]:
-                raise ProtocolError(E.BAD_FIELD, f"{where}: cost: its {name} disagrees with {name} {fields[name]}", rid)
-    return fields
-
-
 def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
     """Frames for a message: [header] or [header, payload]."""
     header = {"v": VERSION, "type": msg_type, "rid": rid}
@@ -356,7 +168,7 @@ def encode(msg_type: str, rid: int, payload=None, **fields) -> list:
 
 def valid_id(value) -> int | None:
     """A request or session id as the protocol allows it (unsigned 64-bit), else None."""
-    return value if _is_int(value) and _u64(value) else None
+    return value if is_int(value) and u64(value) else None
 
 
 def error_frames(rid: int | None, code: str, message: str, sid: int | None = None, **context) -> list:
@@ -381,7 +193,7 @@ def decode(frames: list, max_payload: int) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(E.MALFORMED, "header is not a map")
     rid, sid = valid_id(header.get("rid")), valid_id(header.get("sid"))
-    if not _is_int(header.get("v")) or header["v"] != VERSION:  # True and 1.0 are not 1 here
+    if not is_int(header.get("v")) or header["v"] != VERSION:  # True and 1.0 are not 1 here
         raise ProtocolError(E.BAD_VERSION, f"protocol version {header.get('v')!r} is not {VERSION}", rid, sid)
     if rid is None:
         raise ProtocolError(E.BAD_FIELD, "rid must be an unsigned 64-bit integer", None, sid)
@@ -392,9 +204,9 @@ def decode(frames: list, max_payload: int) -> Message:
 
     body = {k: v for k, v in header.items() if k not in ("v", "type", "rid")}
     try:
-        fields = _checked_fields(schema, body, msg_type, rid, sid)
+        fields = checked(schema, body, msg_type, rid, sid)
         if msg_type == READY:
-            fields["capability"] = check_capability(fields["capability"], rid)
+            fields["capability"] = Capability.parse(fields["capability"], rid)
     except ProtocolError as e:
         e.msg_type = msg_type
         raise

@@ -121,7 +121,7 @@ class Coordinator:
     # the sockets, for a check of their security mechanism
     router = property(lambda self: self._io.sockets.router)
     data = property(lambda self: self._io.sockets.data)
-    pushes = property(lambda self: self._io.sockets.pushes)
+    pushes = property(lambda self: self._io.sockets.pushes.sockets)
 
     def close(self) -> None:
         self._io.close()
@@ -179,7 +179,7 @@ class Coordinator:
 
     def workers_snapshot(self) -> list[dict]:
         def snap(f):
-            f.set_result([dict(w.capability, name=w.name, sessions=self._io.table.sessions_on(w.identity))
+            f.set_result([dict(w.capability.to_wire(), name=w.name, sessions=self._io.table.sessions_on(w.identity))
                           for w in self._io.registry.all()])
         return self._io.submit(snap).result(5)
 
@@ -317,7 +317,7 @@ def _fits(size: int, limit: int | None, what: str, field: str) -> Callable[[list
         if size > P.MAX_TEXT_BYTES:
             raise MeshnetError(E.CONTEXT_FULL if limit else E.INVALID_ARGUMENT,
                                f"{what} is {size} bytes, more than the {P.MAX_TEXT_BYTES} taken at once", field=field)
-        per_token = route[0].capability.get("max_token_bytes")
+        per_token = route[0].capability.max_token_bytes
         if limit and per_token and size > limit * 2 * max(per_token, 32):
             raise MeshnetError(E.CONTEXT_FULL, f"{what} is {size} bytes, so at least {size // (2 * max(per_token, 32))} "
                                f"tokens: more than {limit}", field=field)

@@ -218,7 +218,7 @@ class IOLoop:
                         effect.kind, effect.sid, effect.worker.identity, effect.stage,
                         now() + self.config.request_timeout), **effect.fields)
             elif isinstance(effect, Push):
-                if not self.sockets.push(effect.head.capability["data_endpoint"], effect.head.public_key,
+                if not self.sockets.push(effect.head.capability.data_endpoint, effect.head.public_key,
                                          P.encode(P.ACT, 0, **effect.fields)):
                     todo.extend(self.table.push_failed(effect.sid))
 
@@ -350,7 +350,7 @@ class IOLoop:
     # ---- the registry ------------------------------------------------------------------
 
     def _register(self, identity: bytes, msg: P.Message, peer_key: str | None = None) -> None:
-        capability = msg["capability"]  # checked field by field in protocol.decode
+        capability = msg["capability"]  # parsed and checked in protocol.decode
         epoch = msg.get("epoch", 0)
         admission = self.registry.admit(identity, capability, epoch)
         if admission.outcome == "again":
@@ -397,7 +397,7 @@ class IOLoop:
             a.worker.assigning = a.layers
             self.counters["assigned"] += 1
             log.info("coordinator: worker %s loads %s (planned %d bytes of its %d)", a.worker.name, a.layers.label,
-                     a.planned_bytes, a.worker.capability["mem_bytes"])
+                     a.planned_bytes, a.worker.capability.mem_bytes)
             self._request(a.worker, P.ASSIGN, Pending(RequestKind.ASSIGN, None, a.worker.identity, -1,
                                                       now() + self.config.request_timeout),
                           layers=[a.layers.start, a.layers.end])

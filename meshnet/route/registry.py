@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.net.capability import Capability
 from meshnet.net.heartbeat import Liveness
 from meshnet.route.tracker import Route, StageOffer, choose_route, offer_from_capability, shape_disagreement
 
@@ -21,7 +22,7 @@ from meshnet.route.tracker import Route, StageOffer, choose_route, offer_from_ca
 class WorkerRecord:
     identity: bytes
     name: str
-    capability: dict
+    capability: Capability
     offer: StageOffer | None     # None: started with --layers auto, holds nothing yet
     liveness: Liveness
     assigning: LayerRange | None = None   # the range it was told to load and has not yet offered
@@ -86,7 +87,7 @@ class Registry:
     def standby(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.offer is None]
 
-    def admit(self, identity: bytes, capability: dict, epoch: int) -> Admission:
+    def admit(self, identity: bytes, capability: Capability, epoch: int) -> Admission:
         """What to do with a READY (its capability checked field by field already)."""
         current = self.workers.get(identity)
         if current is not None and current.capability == capability:
@@ -95,28 +96,28 @@ class Registry:
             current.epoch = max(epoch, current.epoch)
             return Admission("again", dropped=dropped)
         known = next((w for w in self.workers.values() if w.identity != identity
-                      and w.capability["model_sha256"] == capability["model_sha256"]), None)
+                      and w.capability.model_sha256 == capability.model_sha256), None)
         why = known and shape_disagreement(capability, known.capability)
         if why:
             # not a worker of that model file, whatever hash it names: nothing it claims is used
-            return Admission("refused", why=why, detail=f"it claims model {capability['model_sha256'][:12]} but "
+            return Admission("refused", why=why, detail=f"it claims model {capability.model_sha256[:12]} but "
                                                         f"{why} (as worker {known.name} serves it)")
         lose = []
-        if current is not None and current.offer is None and "layers" in capability:
+        if current is not None and current.offer is None and capability.holds_layers:
             del self.workers[identity]   # a standby worker offering the range it loaded: it had no sessions
         elif current is not None:  # this connection now offers something else: what it offered is gone
             lose.append((current, "announced a different capability"))
         # the worker process connected again: its old connection is dead, whatever it still delivers
         lose += [(w, "connected again") for w in self.workers.values()
-                 if w.capability["worker_id"] == capability["worker_id"] and w is not current]
+                 if w.capability.worker_id == capability.worker_id and w is not current]
         return Admission("new", lose=tuple(lose))
 
-    def add(self, identity: bytes, capability: dict, liveness: Liveness, public_key: str | None,
+    def add(self, identity: bytes, capability: Capability, liveness: Liveness, public_key: str | None,
             epoch: int) -> WorkerRecord:
         # the worker process's id and this connection's: readable, and unique among the registered
-        name = f"{capability['worker_id'][:8]}.{identity.hex()[-4:]}"
+        name = f"{capability.worker_id[:8]}.{identity.hex()[-4:]}"
         order = next(self._order)
-        offer = offer_from_capability(name, capability, order) if "layers" in capability else None
+        offer = offer_from_capability(name, capability, order) if capability.holds_layers else None
         record = self.workers[identity] = WorkerRecord(identity, name, capability, offer, liveness,
                                                        public_key=public_key, epoch=epoch)
         return record

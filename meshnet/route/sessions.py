@@ -103,15 +103,15 @@ class SessionTable:
             route = self.route_for(None)
         except MeshnetError as e:
             return [Emit(sid, Failed(MeshnetError(e.code, e.message, session=sid)))]
-        n_ctx = min(w.capability["n_ctx"] for w in route)
+        n_ctx = min(w.capability.n_ctx for w in route)
         if len(gen.prompt) + gen.rule.max_tokens > n_ctx:
             return [Emit(sid, Failed(MeshnetError(E.CONTEXT_FULL, f"{len(gen.prompt)} prompt + {gen.rule.max_tokens} "
                                                   f"new tokens exceed the route's context of {n_ctx}", session=sid)))]
-        numerics_class = route[0].capability["numerics"]   # one class per route (the tracker's rule)
+        numerics_class = route[0].capability.numerics   # one class per route (the tracker's rule)
         # the stock class feeds a prompt as stock llama.cpp does, in batches of n_batch
         # (whatever prefill chunk was asked): its kernels change with the rows in a call,
         # so other chunks would give other tokens
-        gen.bound_chunks(min(w.capability["n_batch"] for w in route), fixed=numerics_class == numerics.STOCK)
+        gen.bound_chunks(min(w.capability.n_batch for w in route), fixed=numerics_class == numerics.STOCK)
         session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class)
         self._open_route(session, route)
         return self._effects()
@@ -291,11 +291,11 @@ class SessionTable:
         for i, worker in enumerate(route):
             self._on_worker[worker.identity].add(sid)
             self._out.append(Request(worker, RequestKind.OPEN, sid, i, dict(
-                sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability["data_endpoint"],
+                sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability.data_endpoint,
                 # a replay's prompt holds the tokens generated so far: the stages count the rest
                 reply=self.reply_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens - gen.replayed,
                 stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and session.want_logits else None,
-                hop_clock=i > 0 and route[i - 1].capability["clock_id"] == worker.capability["clock_id"],
+                hop_clock=i > 0 and route[i - 1].capability.clock_id == worker.capability.clock_id,
                 gather=True if i == 0 and gather else None,
                 # with CURVE each stage learns the keys of its two neighbours in the ring
                 next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
@@ -365,7 +365,7 @@ class SessionTable:
         error, lost_at = session.lost
         try:
             route = self.route_for(session.numerics)
-            n_ctx = min(w.capability["n_ctx"] for w in route)
+            n_ctx = min(w.capability.n_ctx for w in route)
             if session.gen.n_prompt + session.gen.rule.max_tokens > n_ctx:
                 raise MeshnetError(E.CONTEXT_FULL, f"the new route's context of {n_ctx} is too small for it")
         except MeshnetError as e:
@@ -376,7 +376,7 @@ class SessionTable:
         session.lost = None
         # the prompt's chunks as they were, unless the new route takes less at once
         # (its floats may then differ: the note says which chunking ran)
-        session.gen = session.gen.replay(min(w.capability["n_batch"] for w in route))
+        session.gen = session.gen.replay(min(w.capability.n_batch for w in route))
         session.resumes.append({"stage": error.context.get("stage"), "worker": error.context.get("worker"),
                                 "replayed_tokens": len(session.gen.prompt), "generated_before": session.gen.replayed,
                                 "lost_at": lost_at})

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
-from meshnet.core.planner import ModelCost, Node, Settings, plan
+from meshnet.core.planner import Node, Settings, plan
 from meshnet.route.registry import WorkerRecord
 from meshnet.route.tracker import compat_class_of
 
@@ -31,7 +31,7 @@ def plan_standby(workers: list[WorkerRecord], overhead: int) -> tuple[list[Assig
     for cls in dict.fromkeys(compat_class_of(w.capability) for w in standby):
         nodes = [w for w in standby if compat_class_of(w.capability) == cls]
         held = [w for w in workers if compat_class_of(w.capability) == cls]
-        cost = ModelCost.from_dict(nodes[0].capability["cost"])
+        cost = nodes[0].capability.cost
         covered = [0] * cost.n_layer
         for w in held:
             r = w.offer.layers if w.offer is not None else w.assigning
@@ -39,9 +39,9 @@ def plan_standby(workers: list[WorkerRecord], overhead: int) -> tuple[list[Assig
                 covered[r.start:r.end] = [1] * (r.end - r.start)
         for start, end in gaps(covered):
             try:
-                result = plan(cost, [Node(w.name, w.capability["mem_bytes"],
-                                          Settings(w.capability["n_ctx"], w.capability["max_sessions"],
-                                                   w.capability["n_batch"])) for w in nodes],
+                result = plan(cost, [Node(w.name, w.capability.mem_bytes,
+                                          Settings(w.capability.n_ctx, w.capability.max_sessions,
+                                                   w.capability.n_batch)) for w in nodes],
                               overhead, start, end)
             except MeshnetError as e:
                 notes.append(f"layers {start}..{end - 1} wait for more memory: {e.message}")

@@ -17,6 +17,7 @@ from typing import Iterable, NamedTuple
 
 from meshnet.core.errors import ROUTE_INCOMPLETE, MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.net.capability import Capability
 
 
 class CompatClass(NamedTuple):
@@ -69,15 +70,15 @@ class StageOffer:
         return self.layers.label
 
 
-def compat_class_of(capability: dict) -> CompatClass:
-    return CompatClass(capability["model_sha256"], capability["engine_pin"], capability["backend"],
-                       capability["wire_dtype"], capability["numerics"])
+def compat_class_of(capability: Capability) -> CompatClass:
+    return CompatClass(capability.model_sha256, capability.engine_pin, capability.backend,
+                       capability.wire_dtype, capability.numerics)
 
 
-def offer_from_capability(worker: str, capability: dict, registered: int = 0) -> StageOffer:
-    start, end = capability["layers"]
-    return StageOffer(worker=worker, layers=LayerRange(start, end, capability["n_layer"]),
-                      compat_class=compat_class_of(capability), registered=registered, n_embd=capability["n_embd"])
+def offer_from_capability(worker: str, capability: Capability, registered: int = 0) -> StageOffer:
+    start, end = capability.layers
+    return StageOffer(worker=worker, layers=LayerRange(start, end, capability.n_layer),
+                      compat_class=compat_class_of(capability), registered=registered, n_embd=capability.n_embd)
 
 
 # what every worker of one model file must say alike: a worker that claims another shape
@@ -85,14 +86,14 @@ def offer_from_capability(worker: str, capability: dict, registered: int = 0) ->
 MODEL_SHAPE = ("arch", "n_layer", "n_embd", "n_vocab")
 
 
-def shape_disagreement(capability: dict, known: dict) -> str | None:
+def shape_disagreement(capability: Capability, known: Capability) -> str | None:
     """Why CAPABILITY cannot be a worker of the model that KNOWN (a registered worker's
     capability, same model sha256) describes, or None when they agree: the shape, and
     the per-layer cost table when both give one."""
     for name in MODEL_SHAPE:
-        if capability[name] != known[name]:
-            return f"it says {name} {capability[name]!r:.40}, the model's is {known[name]!r}"
-    if "cost" in capability and "cost" in known and capability["cost"] != known["cost"]:
+        if getattr(capability, name) != getattr(known, name):
+            return f"it says {name} {getattr(capability, name)!r:.40}, the model's is {getattr(known, name)!r}"
+    if capability.cost is not None and known.cost is not None and capability.cost != known.cost:
         return "its per-layer cost table differs from the model's"
     return None
 
@@ -202,7 +203,7 @@ def _why_no_route(offers: list[StageOffer], n_layer: int) -> str:
     return "no chain of registered ranges covers [0, %d) exactly" % n_layer
 
 
-def head_gathers(capabilities: list[dict]) -> bool:
+def head_gathers(capabilities: list[Capability]) -> bool:
     """Whether a route's head should gather its sessions' decode steps into one forward
     call: when the stages on the head's machine have more compute threads together than
     it has CPUs, two of them computing at once slow each other down, so the sessions had
@@ -210,5 +211,5 @@ def head_gathers(capabilities: list[dict]) -> bool:
     process) than as several groups in different stages at once. Stages on their own
     CPUs (or hosts) pipeline instead."""
     head = capabilities[0]
-    beside = [c for c in capabilities if c["clock_id"] == head["clock_id"]]
-    return len(beside) > 1 and sum(c.get("n_threads", 1) for c in beside) > head.get("n_cpus", 1 << 20)
+    beside = [c for c in capabilities if c.clock_id == head.clock_id]
+    return len(beside) > 1 and sum(c.n_threads or 1 for c in beside) > (head.n_cpus or 1 << 20)

@@ -799,7 +799,7 @@ class Router:
     def connect_data(self) -> None:
         if self.push is not None:
             self.retired.append(self.push)   # kept open: what it was given still leaves
-        self.push = push_socket(self.ctx, self.capability["data_endpoint"])
+        self.push = push_socket(self.ctx, self.capability.data_endpoint)
 
     def send_data(self, frames) -> bool:
         return send_bounded(self.push, frames)
@@ -876,7 +876,7 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
         if roll < 0.8:
             return router.data_endpoint
         if roll < 0.9:
-            return router.capability["data_endpoint"]   # the worker's own input
+            return router.capability.data_endpoint   # the worker's own input
         return rng.choice(BAD_ENDPOINTS[4:])          # well-formed, with nothing (that takes) behind them
 
     def open_(rng):
@@ -997,7 +997,7 @@ def test_fuzzing_a_worker_never_crashes_hangs_answers_invalidly_or_disturbs_a_se
         while router.capability is None and time.monotonic() < deadline:
             router.drain(bound=1, until_new_identity=True)
         assert router.capability is not None, "the worker never announced itself"
-        assert router.capability["n_embd"] == N_EMBD
+        assert router.capability.n_embd == N_EMBD
         router.connect_data()
 
         rids = iter(range(RESERVED_RID, RESERVED_RID + 1_000_000))

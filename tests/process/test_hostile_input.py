@@ -13,6 +13,8 @@ from meshnet.core.metrics import rss_bytes
 from meshnet.core.planner import ModelCost, Node, plan
 from meshnet.launch.local_cluster import LocalCluster
 from meshnet.net import protocol as P
+from meshnet.net.capability import Capability
+from meshnet.net.fields import MAX_LAYERS
 from meshnet.net.metrics_server import MetricsServer
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
@@ -132,7 +134,7 @@ def test_capabilities_past_the_limits_or_against_the_model_are_refused_in_bounde
 
 def test_route_choice_and_planning_are_linear_in_the_layers():
     cls = CompatClass("a" * 64, "pin", "CPU", "f32", "invariant")
-    n_layer = P.MAX_LAYERS
+    n_layer = MAX_LAYERS
     offers = [StageOffer(f"w{i}", LayerRange(i, i + 1, n_layer), cls, registered=i) for i in range(n_layer)]
     t0 = time.monotonic()
     assert len(build_route(offers)) == n_layer
@@ -140,7 +142,7 @@ def test_route_choice_and_planning_are_linear_in_the_layers():
     assert len(plan(cost, [Node(f"n{i}", 1 << 40) for i in range(4)], overhead=0).stages) == 1
     assert time.monotonic() - t0 < 30   # quadratic work over 4096 layers would take minutes
     with pytest.raises(P.ProtocolError):
-        P.check_capability(capability(n_layer=P.MAX_LAYERS + 1, layers=[0, 30]))
+        Capability.parse(capability(n_layer=MAX_LAYERS + 1, layers=[0, 30]))
 
 
 # 8. small ones

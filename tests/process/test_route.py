@@ -3,7 +3,6 @@ take their range from the coordinator's planner, spares, and workers of another 
 kept out of the route with their reason."""
 
 import random
-import shutil
 import signal
 import time
 
@@ -13,6 +12,7 @@ from meshnet.core.planner import ModelCost, Node, Settings, plan
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence.drift import DriftMeter
+from meshnet.net.capability import Capability
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
@@ -240,7 +240,7 @@ def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and
     worker = start_worker(smollm2_path, fake.endpoint, "auto", "--mem", "300M")
     try:
         cap = fake.wait_ready()
-        assert "layers" not in cap and cap["mem_bytes"] == 300 << 20 and cap["cost"]["n_layer"] == 30
+        assert cap.layers is None and cap.mem_bytes == 300 << 20 and cap.cost.n_layer == 30
         refused = fake.request(P.OPEN, sid=1, key=1, stage=0, next=fake.data_endpoint, reply=fake.data_endpoint,
                                prompt_len=1, max_tokens=1, stop_at_eog=False)
         assert refused.type == P.ERROR and refused["code"] == "unassigned"
@@ -252,8 +252,8 @@ def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and
         ok = fake.reply_to(P.encode(P.ASSIGN, fake.rid, layers=[0, 12]), timeout=60)
         assert ok.type == P.OK, ok.fields
         offered = P.decode(fake.recv(10), 1 << 30)
-        assert offered.type == P.READY and offered["capability"]["layers"] == [0, 12]
-        assert "data_endpoint" in offered["capability"]
+        assert offered.type == P.READY and offered["capability"].layers == (0, 12)
+        assert offered["capability"].data_endpoint
         again = fake.request(P.ASSIGN, layers=[12, 30])
         assert again.type == P.ERROR and again["code"] == "invalid_argument"   # a range is assigned once
     finally:
@@ -283,16 +283,16 @@ def _standby_capability(**overrides):
 def test_a_capability_is_either_a_range_with_its_endpoint_or_a_budget_with_the_model_s_costs(change, why):
     from meshnet.net import protocol as P
 
-    assert P.check_capability(_standby_capability())["mem_bytes"] == 1 << 30
+    assert Capability.parse(_standby_capability()).mem_bytes == 1 << 30
     cap = _standby_capability()
     change(cap)
     with pytest.raises(P.ProtocolError) as err:
-        P.check_capability(cap)
+        Capability.parse(cap)
     assert err.value.code == "bad_field" and why in err.value.message
 
 
 def test_a_worker_bound_to_every_interface_advertises_the_address_it_reaches_the_coordinator_from():
-    from meshnet.stage.worker import advertised
+    from meshnet.net.addresses import advertised
 
     assert advertised("tcp://0.0.0.0:7000", "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:7000"
     assert advertised("tcp://*:7000", "tcp://localhost:5555") == "tcp://127.0.0.1:7000"

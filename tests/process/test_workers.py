@@ -253,9 +253,9 @@ def test_malformed_messages_at_the_worker_get_structured_errors_and_it_keeps_ser
     try:
         fake = fake_coordinator
         capability = fake.wait_ready()
-        n_embd = capability["n_embd"]
+        n_embd = capability.n_embd
         # the engine names where the layers run: the CPU here, by the name ggml gives it
-        assert capability["backend"] == "CPU" and capability["device"]
+        assert capability.backend == "CPU" and capability.device
 
         # the residual a real head gives for the prompt
         with Stage(smollm2_path, (0, 15), n_ctx=256, max_sessions=1, n_threads=THREADS) as head:

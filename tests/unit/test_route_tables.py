@@ -4,13 +4,16 @@ registry's admission of a READY, and the standby plan. The capabilities are fake
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshnet.core.planner import ModelCost
+from meshnet.net.capability import Capability
 from meshnet.net.heartbeat import Liveness
 from meshnet.route.registry import Registry
 from meshnet.route.requests import Pending, RequestKind, Requests
 from meshnet.route.standby import gaps, plan_standby
 
-from fakes import fake_capability
+from fakes import fake_capability, fake_wire_capability
 
 MIB = 1 << 20
 
@@ -56,7 +59,7 @@ def test_the_same_ready_again_is_heard_and_a_higher_epoch_says_the_sessions_were
 
 def test_a_worker_claiming_another_shape_for_a_known_model_is_refused_in_words():
     registry = _registry_with(("w1", 0, 2))
-    liar = dict(fake_capability("w2", 2, 4), n_embd=16)
+    liar = dataclasses.replace(fake_capability("w2", 2, 4), n_embd=16)
     admission = registry.admit(b"w2", liar, 0)
     assert admission.outcome == "refused" and "n_embd" in admission.why and "w1" in admission.detail
 
@@ -76,9 +79,9 @@ def test_an_unreachable_worker_is_left_out_of_the_route():
 
 
 def _standby(registry, worker_id: str, mem_mib: int, cost: ModelCost):
-    capability = {k: v for k, v in fake_capability(worker_id, 0, 0).items() if k != "layers"}
-    capability.update(cost=cost.to_dict(), mem_bytes=mem_mib * MIB, max_sessions=1)
-    return registry.add(worker_id.encode(), capability, Liveness(1.0, 3), None, 0)
+    wire = {k: v for k, v in fake_wire_capability(worker_id, 0, 1).items() if k not in ("layers", "data_endpoint")}
+    wire.update(cost=cost.to_dict(), mem_bytes=mem_mib * MIB, max_sessions=1, n_embd=cost.n_embd, n_vocab=cost.n_vocab)
+    return registry.add(worker_id.encode(), Capability.parse(wire), Liveness(1.0, 3), None, 0)
 
 
 FAKE_MODEL = ModelCost(n_layer=4, layer_bytes=(10 * MIB,) * 4, input_bytes=5 * MIB, output_bytes=5 * MIB,
@@ -88,7 +91,8 @@ FAKE_MODEL = ModelCost(n_layer=4, layer_bytes=(10 * MIB,) * 4, input_bytes=5 * M
 
 def test_standby_workers_are_planned_over_the_layers_nobody_holds_in_the_order_they_registered():
     registry = _registry_with(("held", 0, 2))
-    registry.get(b"held").capability["cost"] = FAKE_MODEL.to_dict()
+    held = registry.get(b"held")
+    held.capability = dataclasses.replace(held.capability, cost=FAKE_MODEL)
     a, b = _standby(registry, "a", 10_000, FAKE_MODEL), _standby(registry, "b", 10_000, FAKE_MODEL)
     assignments, note = plan_standby(registry.all(), overhead=0)
     assert [(x.worker, x.layers.start, x.layers.end) for x in assignments] == [(a, 2, 4)] and note is None

@@ -92,8 +92,8 @@ def test_a_session_opens_on_every_stage_and_is_fed_only_once_all_confirmed(mesh)
     effects = mesh.open()
     assert requests(effects, RequestKind.OPEN) == [("head", 0), ("tail", 1)]
     first, last = [e.fields for e in of(effects, Request)]
-    assert first["next"] == mesh.tail.capability["data_endpoint"]   # a ring: the tail's next is the head
-    assert last["next"] == mesh.head.capability["data_endpoint"]
+    assert first["next"] == mesh.tail.capability.data_endpoint   # a ring: the tail's next is the head
+    assert last["next"] == mesh.head.capability.data_endpoint
     assert first["key"] == last["key"] == mesh.key() and first["prompt_len"] == 10
     assert not of(effects, Push) and mesh.table.sessions[1].state is State.OPENING
     assert mesh.table.opened(1) == []                     # one of two stages

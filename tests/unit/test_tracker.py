@@ -6,6 +6,7 @@ import pytest
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.net.capability import Capability
 from meshnet.route.tracker import CompatClass, StageOffer, build_route, choose_route, offer_from_capability
 
 SHA_A = "a" * 64
@@ -169,8 +170,10 @@ def test_no_offers_is_refused():
 
 
 def test_offer_from_capability_reads_the_fields_a_worker_announces():
-    capability = {"model_sha256": SHA_A, "layers": [15, 30], "n_layer": 30, "engine_pin": CPU[0],
-                  "backend": "CPU", "wire_dtype": "f32", "numerics": "invariant", "n_embd": 576}
+    capability = Capability(worker_id="w9", model_sha256=SHA_A, arch="llama", layers=(15, 30), n_layer=30,
+                            n_embd=576, n_vocab=49152, engine_pin=CPU[0], backend="CPU", wire_dtype="f32",
+                            numerics="invariant", max_sessions=1, n_ctx=256, n_batch=64, admitted_bytes=1,
+                            clock_id="host", data_endpoint="tcp://10.0.0.9:7000")
     assert offer_from_capability("w9", capability, registered=4) == offer("w9", 15, 30, registered=4)
 
 
@@ -178,7 +181,9 @@ def test_a_head_gathers_its_sessions_only_when_its_machine_s_stages_would_fight_
     from meshnet.route.tracker import head_gathers
 
     def stage(host, threads, cpus=2):
-        return {"clock_id": host, "n_threads": threads, "n_cpus": cpus}
+        return Capability(worker_id=host, model_sha256=SHA_A, arch="llama", n_layer=2, n_embd=8, n_vocab=32,
+                          engine_pin=CPU[0], backend="CPU", wire_dtype="f32", numerics="invariant", max_sessions=1,
+                          n_ctx=256, n_batch=64, admitted_bytes=1, clock_id=host, n_threads=threads, n_cpus=cpus)
 
     assert head_gathers([stage("a", 2), stage("a", 2)])                  # 4 threads on 2 cores
     assert not head_gathers([stage("a", 1), stage("a", 1)])              # one core each: pipeline

@@ -1,0 +1,125 @@
+"""The checks a message's fields pass on receipt: python types, bounds, and one schema
+checked field by field. Shared by the protocol's messages (protocol.py) and the
+capability a worker announces (capability.py)."""
+
+from __future__ import annotations
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import Sampling
+
+# what a capability may claim: far above any real model (the largest have under 200
+# layers), and low enough that no claim makes the coordinator's planning or routing
+# costly (both are linear in the layers)
+MAX_LAYERS = 4096
+MAX_EMBD = 1 << 16
+MAX_VOCAB = 1 << 22
+MAX_CTX = 1 << 24
+MAX_BATCH = 1 << 16
+MAX_SESSIONS = 1 << 12
+U64_MAX = (1 << 64) - 1
+
+
+class ProtocolError(MeshnetError):
+    """A message that cannot be used; rid is set when the sender's request id was readable,
+    msg_type when its type was."""
+
+    msg_type: str | None = None
+
+    def __init__(self, code: str, message: str, rid: int | None = None, sid: int | None = None):
+        super().__init__(code, message)
+        self.rid = rid
+        self.sid = sid
+
+
+# field checks: (python types, required, extra check or None)
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as one
+
+
+def u64(v):
+    return 0 <= v <= U64_MAX
+
+
+def nonneg(v):
+    return 0 <= v < 1 << 31
+
+
+def positive(v):
+    return 0 < v < 1 << 31
+
+
+def tokens(v):
+    return all(is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
+
+
+def layer_range(v):
+    return len(v) == 2 and all(is_int(d) and 0 <= d <= MAX_LAYERS for d in v) and v[0] < v[1]
+
+
+def at_most(limit):
+    return lambda v: 0 < v <= limit
+
+
+def seams(v):
+    return len(v) <= 4096 and all(isinstance(s, (list, tuple)) and len(s) == 3 and all(is_int(x) for x in s)
+                                  and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
+
+
+def sampling(v):
+    try:
+        Sampling.from_wire(v)
+        return True
+    except MeshnetError:
+        return False
+
+
+
+def endpoint(v):
+    return 0 < len(v) <= 256 and "://" in v
+
+
+def sha256(v):
+    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def curve_key(v):
+    return len(v) == 40 and all(c in _Z85 for c in v)
+
+
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def short_text(v):
+    return 0 < len(v) <= 256
+
+
+
+INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
+
+
+def checked(schema: dict, values: dict, where: str, rid, sid) -> dict:
+    fields = {}
+    for name, (types, required, check) in schema.items():
+        if name not in values:
+            if required:
+                raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' is required", rid, sid)
+            continue
+        value = values[name]
+        if isinstance(value, bool) and bool not in types:
+            value = None  # bool is an int subclass: never accept it as one
+        if value is None or not isinstance(value, types) or (check and not check(value)):
+            raise ProtocolError(E.BAD_FIELD, f"{where}: field '{name}' has a bad value {values[name]!r:.80}", rid, sid)
+        fields[name] = value
+    unknown = set(values) - set(schema)
+    if unknown:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: unknown field(s) {sorted(map(str, unknown))[:8]}", rid, sid)
+    return fields
+
+
+def byte_count(v):
+    return 0 <= v < 1 << 48
+
+
+def per_layer_counts(v):
+    return len(v) <= MAX_LAYERS and all(is_int(b) and byte_count(b) for b in v)
