@@ -50,7 +50,8 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
            heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import security
-    from meshnet.stage.worker import StageWorker, WorkerConfig
+    from meshnet.stage.config import WorkerConfig
+    from meshnet.stage.worker import StageWorker
 
     if layers is None and mem is None:
         raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
@@ -66,13 +67,11 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics,
                               keys=security.load_secret(secret_file) if secret_file else None,
-                              coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None)
-        if max_queue is not None:
-            config.max_queue = max_queue
-        if heartbeat_interval is not None:
-            config.heartbeat_interval = heartbeat_interval
-        if heartbeat_liveness is not None:
-            config.heartbeat_liveness = heartbeat_liveness
+                              coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
+                              **{name: value for name, value in (("max_queue", max_queue),
+                                                                 ("heartbeat_interval", heartbeat_interval),
+                                                                 ("heartbeat_liveness", heartbeat_liveness))
+                                 if value is not None})
         sys.exit(StageWorker(config).run())
     except MeshnetError as e:
         fail(e)

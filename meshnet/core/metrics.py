@@ -4,6 +4,7 @@ Prometheus text (net/metrics_server.py serves both on an opt-in HTTP port)."""
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Iterable
 
 import numpy as np
@@ -94,3 +95,13 @@ def prometheus_text(snapshot: dict) -> str:
     metric("resume_ms", "gauge", "from a stage's loss to the session's next token",
            [({"quantile": "0.5"}, resumes.get("ms_p50")), ({"quantile": "0.99"}, resumes.get("ms_p99"))])
     return "\n".join(lines) + "\n"
+
+
+def clock_id() -> str:
+    """Equal on processes that share one monotonic clock (one booted kernel; network
+    namespaces included), so a hop between them can be timed from two timestamps."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return "boot:" + f.read().strip()
+    except OSError:
+        return "process:" + uuid.uuid4().hex   # unknown: never equal, hops are not timed

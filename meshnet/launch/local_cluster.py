@@ -27,6 +27,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
+from meshnet.stage.config import WorkerConfig
 
 PR_SET_PDEATHSIG = 1
 STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
@@ -103,9 +104,8 @@ def _describe_exit(returncode: int) -> str:
 def start_auto_worker(coordinator: str, model_path: str, mem: int, *, threads: int = 0, n_ctx: int = defaults.N_CTX,
                       max_sessions: int = defaults.LIBRARY_SESSIONS, extra: Sequence[str] = ()) -> subprocess.Popen:
     """A `--layers auto` worker child: the coordinator's planner gives it its range."""
-    args = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", coordinator, "--model", str(model_path),
-            "--layers", "auto", "--mem", str(mem), "--threads", str(threads), "--ctx", str(n_ctx),
-            "--max-sessions", str(max_sessions), *extra]
+    args = WorkerConfig(coordinator, str(model_path), None, mem=mem, n_threads=threads, n_ctx=n_ctx,
+                        max_sessions=max_sessions).to_argv() + list(extra)
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_worker_child)
 
 
@@ -134,11 +134,13 @@ class LocalCluster:
     ):
         self.model_path = str(model_path)
         self.ranges = [_layer_range(r) for r in ranges]
-        self.worker_options = {"threads": threads, "ctx": n_ctx, "max-sessions": max_sessions, "max-queue": max_queue,
-                               "heartbeat-interval": heartbeat_interval, "heartbeat-liveness": heartbeat_liveness,
-                               # one class for the whole route, a GPU stage's or not (a GPU runs stock)
-                               "numerics": numerics or numerics_classes.default_for(bool(gpu_stages))}
-        self.numerics = self.worker_options["numerics"]
+        # one class for the whole route, a GPU stage's or not (a GPU runs stock)
+        self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
+        self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, numerics=self.numerics,
+                                   **{name: value for name, value in (("max_queue", max_queue),
+                                                                      ("heartbeat_interval", heartbeat_interval),
+                                                                      ("heartbeat_liveness", heartbeat_liveness))
+                                      if value is not None})
         if heartbeat_interval is not None:
             coordinator_options["heartbeat_interval"] = heartbeat_interval
         if heartbeat_liveness is not None:
@@ -172,21 +174,15 @@ class LocalCluster:
         it from one that lives as long as the cluster."""
         layers = _layer_range(layers)
         start, end = layers
-        args = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", self.coordinator.endpoint,
-                "--model", self.model_path, "--layers", f"{start}:{end}"]
-        for name, value in self.worker_options.items():
-            if value is not None:
-                args += [f"--{name}", str(value)]
         index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
-        if self.pin_cpus:
-            cpus = sorted(os.sched_getaffinity(0))
-            args += ["--cpu", str(cpus[index % len(cpus)])]
-        if index in self.gpu_stages:
-            args.append("--gpu")
+        cpus = sorted(os.sched_getaffinity(0))
+        config = WorkerConfig(self.coordinator.endpoint, self.model_path, (start, end), **self.worker_options,
+                              cpu=cpus[index % len(cpus)] if self.pin_cpus else None, gpu=index in self.gpu_stages)
+        key_files = None
         if self.keys_dir is not None:
             keys = Path(self.keys_dir.name)
-            args += ["--secret", str(keys / "allowed" / f"worker-{index}.key_secret"),
-                     "--coordinator-key", str(keys / "coordinator.key")]
+            key_files = (keys / "allowed" / f"worker-{index}.key_secret", keys / "coordinator.key")
+        args = config.to_argv(key_files)
         log = open(self.worker_log, "ab") if self.worker_log else subprocess.DEVNULL
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_worker_child)

@@ -1,7 +1,10 @@
-"""The ZeroMQ endpoints meshnet is given (tcp://HOST:PORT), checked before they reach
-libzmq: it takes a port past 65535 modulo 65536 and listens somewhere nobody asked for."""
+"""The ZeroMQ endpoints meshnet is given (tcp://HOST:PORT): checked before they reach
+libzmq (it takes a port past 65535 modulo 65536 and listens somewhere nobody asked for),
+and the address a peer can reach for one bound to every interface."""
 
 from __future__ import annotations
+
+import socket
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
@@ -30,3 +33,34 @@ def same_host_any_port(endpoint: str) -> str:
         raise MeshnetError(E.BAD_ADDRESS, f"the coordinator needs a tcp:// address to serve the data plane, "
                            f"not {endpoint!r}")
     return endpoint.rsplit(":", 1)[0] + ":0"
+
+
+def reachable(endpoint: str, coordinator: str) -> str:
+    """A coordinator bound to every interface advertises a wildcard host for its data
+    endpoint: reach it on the host its control socket was reached on."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host in ("*", "0.0.0.0", "[::]", "::"):
+        coordinator_host = coordinator.partition("://")[2].rpartition(":")[0]
+        return f"tcp://{coordinator_host}:{port}"
+    return endpoint
+
+
+def advertised(endpoint: str, coordinator: str) -> str:
+    """A data endpoint bound to every interface (tcp://0.0.0.0:P) is useless to a peer as
+    written: advertise the address this host reaches the coordinator from, which the
+    other stages, on the coordinator's side of the network, can reach too."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in ("*", "0.0.0.0", "[::]", "::"):
+        return endpoint
+    coordinator_host, _, coordinator_port = coordinator.partition("://")[2].rpartition(":")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(coordinator_host.strip("[]"), int(coordinator_port),
+                                                      type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)   # UDP: no packet is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except (OSError, ValueError, IndexError):
+        return endpoint
+    return f"tcp://{f'[{local}]' if ':' in local else local}:{port}"

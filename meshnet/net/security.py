@@ -27,6 +27,11 @@ log = logging.getLogger("meshnet.net.security")
 ZAP_DOMAIN = "meshnet"
 
 
+# the monitor events of a refused CURVE handshake, on either side
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 @dataclass(frozen=True)
 class KeyPair:
     public: bytes     # z85, 40 bytes
@@ -107,6 +112,16 @@ class Gatekeeper:
 
     def stop(self) -> None:
         self.auth.stop()
+
+
+@dataclass
+class DataCurve:
+    """CURVE on the data plane: this stage's keys, the coordinator's public key, and the
+    allow-list of its data endpoint (the coordinator, then each session's previous stage)."""
+
+    keys: KeyPair
+    coordinator_key: bytes
+    gatekeeper: Gatekeeper
 
 
 def serve(sock: zmq.Socket, keys: KeyPair) -> None:

@@ -15,11 +15,9 @@ from meshnet.core.errors import MeshnetError
 from meshnet.net import addresses
 from meshnet.net import protocol as P
 from meshnet.net import security, sockets
-from meshnet.net.security import Gatekeeper
+from meshnet.net.pushes import Pushes
+from meshnet.net.security import HANDSHAKE_FAILED, Gatekeeper
 from meshnet.route.config import CoordinatorConfig
-
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Listener:
@@ -27,7 +25,7 @@ class Listener:
         self.keys = config.keys
         self.ctx = zmq.Context()
         self.gatekeeper = self.handshakes = self.router = self.data = None
-        self.pushes: dict[str, zmq.Socket] = {}
+        self.pushes = Pushes(self.ctx, config.keys)
         self.max_message_bytes = config.max_payload + 2 * P.MAX_HEADER_BYTES
         try:
             self._bind(config)
@@ -79,14 +77,10 @@ class Listener:
     def push(self, endpoint: str, server_key: str | None, frames: list) -> bool:
         """A data message to a stage's PULL at ENDPOINT (CURVE to SERVER_KEY with keys);
         False when its queue is full."""
-        sock = self.pushes.get(endpoint)
-        if sock is None:
-            sock = self.pushes[endpoint] = sockets.data_push(self.ctx)
-            if self.keys is not None:
-                security.client(sock, self.keys, server_key.encode())
-            sock.connect(endpoint)
+        if endpoint not in self.pushes.sockets:
+            self.pushes.expect(endpoint, server_key.encode() if server_key else b"")
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.pushes.to(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return False
@@ -101,8 +95,7 @@ class Listener:
         return event.get("endpoint", b"?"), why
 
     def close(self) -> None:
-        for sock in self.pushes.values():
-            sock.close(linger=0)
+        self.pushes.close()
         if self.data is not None:
             self.data.close(linger=0)
         if self.handshakes is not None:

@@ -12,12 +12,10 @@ through a job queue, woken by an inproc pair that also carries the replies back.
 from __future__ import annotations
 
 import collections
-import enum
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -30,87 +28,16 @@ from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
 from meshnet.engine.binding import Stage
 from meshnet.net import protocol as P
 from meshnet.net import security, sockets
-from meshnet.net.security import Gatekeeper, KeyPair
+from meshnet.net.pushes import Pushes
+from meshnet.net.security import DataCurve
+from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
+from meshnet.stage.session import MAX_SEAM_FIELD, Input, StageSession
 
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
 HOPS_PERIOD = 1.0         # seconds between hop percentiles in them (a sort of up to HOPS_KEPT values)
 RECV_BURST = 256          # data messages read before computing: all that is waiting, within reason
 GATHER_MAX = 0.03         # seconds a gathering head holds decode steps back for the other decoding sessions
 HOPS_KEPT = 10_000
-SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
-MAX_SEAM_FIELD = (1 << 40) - 1   # the protocol bound of a hop (us) or a byte count in a seam record
-
-
-class JobKind(enum.Enum):
-    """What the socket loop asks of the stage loop; the value names it on the pair between them."""
-    OPEN = "open"
-    RELEASE = "release"
-    CANCEL = "cancel"
-    RELEASE_ALL = "release_all"   # the worker's own, when its coordinator is gone
-    TOKENIZE = "tokenize"
-    DETOKENIZE = "detokenize"
-    TEMPLATE = "template"
-
-    @property
-    def queue(self) -> str | None:
-        """The bounded queue a job of this kind waits in (None: the worker's own, unbounded)."""
-        if self is JobKind.RELEASE_ALL:
-            return None
-        return "text" if self in (JobKind.TOKENIZE, JobKind.DETOKENIZE, JobKind.TEMPLATE) else "control"
-
-
-# the pair's kind frame of a session's failure, which no job asked for
-SESSION_FAILED = b"session"
-
-
-@dataclass
-class Job:
-    kind: JobKind
-    rid: int
-    epoch: int                 # which coordinator connection asked; replies to old ones are dropped
-    sid: int | None = None
-    msg: P.Message | None = None
-
-
-@dataclass
-class StageSession:
-    """What a stage knows of one session: its key, where its outputs go, and (the tail)
-    when it ends."""
-
-    sid: int
-    key: int
-    stage: int                 # this stage's place in the route
-    next_hop: str
-    reply: str
-    prompt_len: int
-    rule: StopRule
-    want_logits: bool
-    hop_clock: bool
-    gather: bool = False       # the head: wait for every decoding session's step (stages share the CPUs)
-    decoding: bool = False     # the head has had a decode step of it
-    n_generated: int = 0
-    seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
-
-
-@dataclass
-class Input:
-    """What travels with a waiting step: its session, the seams it crossed, whether the
-    coordinator wants to hear that the head took it."""
-
-    session: StageSession
-    seams: list
-    ack: bool
-    arrived: float = 0.0       # time.monotonic() at receipt
-
-
-@dataclass
-class DataCurve:
-    """CURVE on the data plane: this stage's keys, the coordinator's public key, and the
-    allow-list of its data endpoint (the coordinator, then each session's previous stage)."""
-
-    keys: KeyPair
-    coordinator_key: bytes
-    gatekeeper: Gatekeeper
 
 
 class StageLoop(threading.Thread):
@@ -143,9 +70,7 @@ class StageLoop(threading.Thread):
             self.pair.close(linger=0)
             raise MeshnetError(E.BAD_ADDRESS, f"cannot bind the data endpoint {data_bind!r}: {e.strerror}") from None
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pushes: dict[str, zmq.Socket] = {}
-        self.push_keys: dict[str, bytes] = {}   # the CURVE key of the peer behind each endpoint, told at open
-        self.pushes_opened: collections.Counter[str] = collections.Counter()   # by mechanism: the links that outlived their session
+        self.pushes = Pushes(ctx, curve.keys if curve else None)
         self.sessions: dict[int, StageSession] = {}
         self.waiting: collections.deque[Step] = collections.deque()
         self.lock = threading.Lock()
@@ -218,8 +143,7 @@ class StageLoop(threading.Thread):
         return True
 
     def _close(self) -> None:
-        for sock in self.pushes.values():
-            sock.close(linger=0)
+        self.pushes.close()
         self.data.close(linger=0)
         self.pair.close(linger=0)
 
@@ -254,8 +178,7 @@ class StageLoop(threading.Thread):
             "data_endpoint": self.data_endpoint,
             # what each data link really runs, as ZeroMQ reports it
             "mechanisms": {"data": security.mechanism(self.data),
-                           "pushes": {endpoint: security.mechanism(sock) for endpoint, sock in self.pushes.items()},
-                           "pushes_opened": dict(self.pushes_opened)},
+                           "pushes": self.pushes.mechanisms(), "pushes_opened": dict(self.pushes.opened)},
             "refused_peers": self.curve.gatekeeper.refusals if self.curve else 0,
         }
         self._stats_at = now
@@ -299,11 +222,8 @@ class StageLoop(threading.Thread):
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
             gather=m.get("gather", False))
-        # the links are made at the session's first step, not now: with CURVE the next
-        # stage lets this one in only once its own OPEN has named it, and a handshake it
-        # refused is never tried again; the first step comes after every stage's OPEN
-        self.push_keys[m["next"]] = m.get("next_key", "").encode()
-        self.push_keys[m["reply"]] = self.curve.coordinator_key if self.curve else b""
+        self.pushes.expect(m["next"], m.get("next_key", "").encode())
+        self.pushes.expect(m["reply"], self.curve.coordinator_key if self.curve else b"")
         with self.lock:
             self.cancelled.discard(job.sid)  # a new session under this id starts clean
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
@@ -317,9 +237,7 @@ class StageLoop(threading.Thread):
             in_use = {e for s in self.sessions.values() for e in (s.next_hop, s.reply)}
             for endpoint in (session.next_hop, session.reply):
                 if endpoint not in in_use:
-                    self.push_keys.pop(endpoint, None)
-                    if endpoint in self.pushes:
-                        self.pushes.pop(endpoint).close(linger=0)
+                    self.pushes.forget(endpoint)
 
     def _do_release(self, job: Job) -> None:
         if job.sid not in self.sessions:
@@ -488,12 +406,7 @@ class StageLoop(threading.Thread):
         token = result.token
         is_eog = self.stage.is_eog(token)
         is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated, step.pos, step.n, is_eog)
-        session.seams.extend(inp.seams)
-        if len(session.seams) > SEAMS_KEPT:  # a long prompt before the first token: keep totals per seam
-            totals: dict[int, int] = collections.Counter()
-            for seam, _, nbytes in session.seams:
-                totals[seam] += nbytes
-            session.seams = [[seam, -1, min(nbytes, MAX_SEAM_FIELD)] for seam, nbytes in sorted(totals.items())]
+        session.crossed(inp.seams)
         if feed_head:  # the next decode step first: it is the critical path
             self._send(session, session.next_hop,
                        P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=step.pos + step.n, n=1, tokens=[token]))
@@ -508,27 +421,9 @@ class StageLoop(threading.Thread):
                 logits_n=None if logits is None else len(logits), seams=session.seams or None))
             session.seams = []
 
-    def _push(self, endpoint: str) -> zmq.Socket:
-        """The PUSH to ENDPOINT, made at a session's first step there (with the CURVE key
-        of the stage or coordinator behind it) and kept for the sessions after it."""
-        sock = self.pushes.get(endpoint)
-        if sock is None:
-            server_key = self.push_keys.get(endpoint, b"")
-            sock = sockets.data_push(self.ctx)
-            if self.curve is not None:
-                security.client(sock, self.curve.keys, server_key)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as e:
-                sock.close(linger=0)
-                raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {endpoint!r}: {e.strerror}") from None
-            self.pushes[endpoint] = sock
-            self.pushes_opened[security.mechanism(sock)] += 1
-        return sock
-
     def _send(self, session: StageSession, endpoint: str, frames: list) -> None:
         try:
-            self._push(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.pushes.to(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._session_failed(session, MeshnetError(
                 E.HOP_UNREACHABLE, f"stage [{self.info.layer_start},{self.info.layer_end}) could not pass session "

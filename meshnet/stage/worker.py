@@ -16,109 +16,37 @@ import collections
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from meshnet.core import defaults
 from meshnet.core import errors as E
-from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
-from meshnet.core.metrics import rss_bytes
+from meshnet.core.metrics import clock_id, rss_bytes
 from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
 from meshnet.engine.binding import Stage, engine_pin
 from meshnet.net import addresses
 from meshnet.net import protocol as P
-from meshnet.net import security, sockets
-from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, Liveness, Pacer, Wakefulness
-from meshnet.net.security import Gatekeeper, KeyPair
-from meshnet.stage.loop import SESSION_FAILED, DataCurve, Job, JobKind, StageLoop
+from meshnet.net import security
+from meshnet.net.addresses import advertised, reachable
+from meshnet.net.heartbeat import Pacer, Wakefulness
+from meshnet.net.security import DataCurve, Gatekeeper
+from meshnet.stage.config import WorkerConfig
+from meshnet.stage.link import CoordinatorLink
+from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
+from meshnet.stage.loop import StageLoop
 
 log = logging.getLogger("meshnet.stage.worker")
 
-MAX_QUEUE = 16            # steps waiting on the stage before "busy"
 MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-GIVEN_UP_AFTER = 0.5      # seconds after a disconnect with no reconnect scheduled: libzmq gave up
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
 # so that tests can prove `meshnet accept` notices; never set outside tests
 TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
-
-
-@dataclass
-class WorkerConfig:
-    coordinator: str
-    model_path: str
-    layers: tuple[int, int] | None
-    model_sha256: str
-    n_ctx: int = defaults.N_CTX
-    max_sessions: int = defaults.MAX_SESSIONS
-    n_batch: int = defaults.N_BATCH
-    n_threads: int = 0
-    max_queue: int = MAX_QUEUE
-    data_bind: str = "tcp://127.0.0.1:0"   # the data endpoint: loopback unless told otherwise
-    cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
-    mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
-    keys: KeyPair | None = None            # this worker's CURVE keys: the control link is encrypted and authenticated
-    coordinator_key: bytes | None = None   # ... to the coordinator holding this public key
-    heartbeat_interval: float = HEARTBEAT_INTERVAL
-    heartbeat_liveness: int = HEARTBEAT_LIVENESS
-    gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
-    numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
-
-    @property
-    def numerics_class(self) -> str:
-        return self.numerics or numerics_classes.default_for(self.gpu)
-
-
-def reachable(endpoint: str, coordinator: str) -> str:
-    """A coordinator bound to every interface advertises a wildcard host for its data
-    endpoint: reach it on the host its control socket was reached on."""
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme == "tcp" and host in ("*", "0.0.0.0", "[::]", "::"):
-        coordinator_host = coordinator.partition("://")[2].rpartition(":")[0]
-        return f"tcp://{coordinator_host}:{port}"
-    return endpoint
-
-
-def advertised(endpoint: str, coordinator: str) -> str:
-    """A data endpoint bound to every interface (tcp://0.0.0.0:P) is useless to a peer as
-    written: advertise the address this host reaches the coordinator from, which the
-    other stages, on the coordinator's side of the network, can reach too."""
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or host not in ("*", "0.0.0.0", "[::]", "::"):
-        return endpoint
-    coordinator_host, _, coordinator_port = coordinator.partition("://")[2].rpartition(":")
-    try:
-        family, _, _, _, address = socket.getaddrinfo(coordinator_host.strip("[]"), int(coordinator_port),
-                                                      type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)   # UDP: no packet is sent, the kernel only picks the route
-            local = probe.getsockname()[0]
-    except (OSError, ValueError, IndexError):
-        return endpoint
-    return f"tcp://{f'[{local}]' if ':' in local else local}:{port}"
-
-
-def clock_id() -> str:
-    """Equal on processes that share one monotonic clock (one booted kernel; network
-    namespaces included), so a hop between them can be timed from two timestamps."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return "boot:" + f.read().strip()
-    except OSError:
-        return "process:" + uuid.uuid4().hex   # unknown: never equal, hops are not timed
 
 
 class StageWorker:
@@ -138,13 +66,13 @@ class StageWorker:
         self.loop: StageLoop | None = None
         self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
         self.worker_id = uuid.uuid4().hex
-        self.handshake_failures = 0
         self.gatekeeper: Gatekeeper | None = None
         if config.layers is not None:
             self._serve(self._load(config.layers))
         else:
             self._wait_for_a_range()
-        self.dealer: zmq.Socket | None = None
+        self.link = CoordinatorLink(self.ctx, config.coordinator, config.keys, config.coordinator_key,
+                                    config.heartbeat_interval, config.heartbeat_liveness)
         self.epoch = 0
         self.holds_sessions = False   # an OPEN came since the sessions were last all dropped
         # jobs waiting for the stage loop, by kind, each with its own bound
@@ -240,60 +168,8 @@ class StageWorker:
     # connection
 
     def _connect(self) -> None:
-        """One DEALER, kept: libzmq reconnects it with its own back-off when the
-        coordinator goes away; IMMEDIATE queues nothing while there is no connection, so a
-        coordinator that comes back gets no stale backlog, only our heartbeats, and
-        answers the first of them with DISCONNECT: we announce again. Only when libzmq
-        gives a connection up for good (a protocol error, such as a frame over
-        MAXMSGSIZE) is the socket made anew; its monitor says when."""
-        if self.dealer is not None:
-            self.dealer.disable_monitor()
-            self.monitor.close(linger=0)
-            self.dealer.close(linger=0)
-        sock = sockets.control_dealer(self.ctx, max_frame=2 * (self.max_control_payload + P.MAX_HEADER_BYTES))
-        if self.config.keys is not None:
-            security.client(sock, self.config.keys, self.config.coordinator_key)
-        # watched before it connects: on loopback the connection (and a refused handshake's
-        # drop) can come before a monitor attached afterwards would see it
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                          | HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        try:
-            sock.connect(self.config.coordinator)
-        except zmq.ZMQError as e:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            raise MeshnetError(E.BAD_ADDRESS, f"cannot connect to {self.config.coordinator!r}: {e.strerror}; "
-                               "an address looks like tcp://127.0.0.1:5555") from None
-        self.dealer, self.monitor = sock, monitor
-        self.handshake_state = "none"
-        self.disconnected_at: float | None = None
-        self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+        self.link.connect(max_frame=2 * (self.max_control_payload + P.MAX_HEADER_BYTES))
         self._announce()
-
-    def _on_link_event(self) -> None:
-        event = recv_monitor_message(self.monitor)["event"]
-        if event == zmq.EVENT_CONNECTED:
-            self.handshake_state = "pending"
-        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.handshake_state = "done"
-        elif event & HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and self.handshake_state == "pending"):
-            # a peer that drops us mid-handshake refused it too: a keyless worker learns no more
-            self.handshake_state = "refused"
-            self._handshake_refused(event)
-        if event & HANDSHAKE_FAILED:
-            return
-        # libzmq announces a reconnect (CONNECT_RETRIED) right after an ordinary disconnect
-        self.disconnected_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-
-    def _handshake_refused(self, event: int) -> None:
-        self.handshake_failures += 1
-        if self.handshake_failures in (1, 10, 100) or self.handshake_failures % 1000 == 0:
-            log.warning("worker: the coordinator at %s refused the handshake (%d times): %s", self.config.coordinator,
-                        self.handshake_failures,
-                        "this worker's key is not on its --allow list" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                        else "it does not serve CURVE with the key given in --coordinator-key, or it wants one "
-                             "and this worker has none")
 
     def _announce(self) -> None:
         """READY with our epoch: a coordinator that had sessions here under an older one
@@ -304,7 +180,7 @@ class StageWorker:
         """The coordinator's silence while this process was stopped (SIGSTOP, a laptop's
         suspend, a swap storm) was ours; what it sent meanwhile is still to be read."""
         if stopped_for:
-            self.coordinator_alive.heard()
+            self.link.coordinator_alive.heard()
         return bool(stopped_for)
 
     def _coordinator_lost(self) -> None:
@@ -317,10 +193,7 @@ class StageWorker:
         self.recent_rids.clear()
 
     def _send(self, frames: list) -> None:
-        try:
-            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pass  # the coordinator is not reading: heartbeats will tell whether it is gone
+        self.link.send(frames)
 
     # requests
 
@@ -334,7 +207,7 @@ class StageWorker:
         except P.ProtocolError as e:
             self._refuse(e.rid, e.code, e.message, e.sid)
             return
-        self.coordinator_alive.heard()
+        self.link.coordinator_alive.heard()
         if msg.type == P.HEARTBEAT:
             return
         if msg.type == P.DISCONNECT:
@@ -435,7 +308,7 @@ class StageWorker:
                 state="loading" if self.loading else "waiting for a range")))
             return
         stats = dict(self.loop.stats)
-        stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.dealer))
+        stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.link.dealer))
         errors = collections.Counter(stats.pop("errors", {}))
         errors.update(self.errors)
         self._send(P.encode(P.OK, msg.rid, info=dict(
@@ -495,8 +368,7 @@ class StageWorker:
         if self.loop is not None:
             self.loop.start()
             poller.register(self.results, zmq.POLLIN)
-        poller.register(self.dealer, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        self._watch_link()
         interval_ms = int(self.config.heartbeat_interval * 1000)
         awake = Wakefulness(self.config.heartbeat_interval)
         while True:
@@ -507,8 +379,8 @@ class StageWorker:
             if self.results in events:
                 while self.results.poll(0):
                     self._relay_result()
-            if self.dealer in events:
-                frames, why = P.recv_frames(self.dealer, 2, self.max_control_payload + P.MAX_HEADER_BYTES)
+            if self.link.dealer in events:
+                frames, why = P.recv_frames(self.link.dealer, 2, self.max_control_payload + P.MAX_HEADER_BYTES)
                 if why is not None:
                     self._refuse(None, E.OVERSIZED, why)
                 else:
@@ -516,23 +388,26 @@ class StageWorker:
             if self.stopping and sum(self.queued.values()) == 0 and not (self.loop and self.loop.jobs) \
                     and self.loading is None:
                 break
-            if self.monitor in events:
-                self._on_link_event()
-            if self.disconnected_at is not None and time.monotonic() - self.disconnected_at > GIVEN_UP_AFTER:
+            if self.link.monitor in events:
+                self.link.on_event()
+            if self.link.given_up():
                 self._coordinator_lost()
-                for sock in (self.dealer, self.monitor):
+                for sock in (self.link.dealer, self.link.monitor):
                     poller.unregister(sock)
                 self._connect()  # announces us on the new socket
-                poller.register(self.dealer, zmq.POLLIN)
-                poller.register(self.monitor, zmq.POLLIN)
-            elif self.coordinator_alive.dead() and not self._forgive_own_stop(awake.stopped_for()):
+                self._watch_link()
+            elif self.link.coordinator_alive.dead() and not self._forgive_own_stop(awake.stopped_for()):
                 # nothing here blocks: the socket stays (libzmq reconnects it), heartbeats go on
                 self._coordinator_lost()
-                self.coordinator_alive = Liveness(self.config.heartbeat_interval, self.config.heartbeat_liveness)
+                self.link.renew_liveness()
                 self._announce()  # dropped unless connected
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
         return self._stop()
+
+    def _watch_link(self) -> None:
+        self.poller.register(self.link.dealer, zmq.POLLIN)
+        self.poller.register(self.link.monitor, zmq.POLLIN)
 
     def _stop(self) -> int:
         self._submit(Job(JobKind.RELEASE_ALL, 0, self.epoch))
@@ -541,9 +416,7 @@ class StageWorker:
             self.loop.join(timeout=30)
         self._send(P.encode(P.GOODBYE, 0))
         time.sleep(0.05)  # let the goodbye leave before the socket closes
-        self.dealer.disable_monitor()
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=100)
+        self.link.close(linger=100)
         self.results.close(linger=0)
         if self.gatekeeper is not None:
             self.gatekeeper.stop()

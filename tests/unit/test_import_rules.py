@@ -19,9 +19,9 @@ MAY_IMPORT = {
     "net": {"core"},
     "route": {"core", "net"},
     "stage": {"core", "engine", "net"},
-    "launch": {"core", "engine", "net", "route"},
-    "serve": {"core", "engine", "net", "route", "launch"},
-    "evidence": {"core", "engine", "net", "route", "launch"},
+    "launch": {"core", "engine", "net", "route", "stage"},
+    "serve": {"core", "engine", "net", "route", "stage", "launch"},
+    "evidence": {"core", "engine", "net", "route", "stage", "launch"},
 }
 
 

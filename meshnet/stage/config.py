@@ -1,0 +1,66 @@
+"""What a worker is started with: the options of `meshnet worker`, as one dataclass, and
+the command line that starts a worker with them (for the processes meshnet spawns
+itself: local clusters, `--layers auto` workers)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from meshnet.core import defaults
+from meshnet.core import numerics as numerics_classes
+from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from meshnet.net.security import KeyPair
+
+MAX_QUEUE = 16                      # steps waiting on the stage before "busy"
+DATA_BIND = "tcp://127.0.0.1:0"     # the data endpoint: loopback unless told otherwise
+
+
+@dataclass
+class WorkerConfig:
+    coordinator: str
+    model_path: str
+    layers: tuple[int, int] | None         # None: --layers auto, the coordinator's planner assigns a range
+    model_sha256: str | None = None        # checked against the file by `meshnet worker` (models.resolve)
+    n_ctx: int = defaults.N_CTX
+    max_sessions: int = defaults.MAX_SESSIONS
+    n_batch: int = defaults.N_BATCH
+    n_threads: int = 0
+    max_queue: int = MAX_QUEUE
+    data_bind: str = DATA_BIND
+    cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
+    mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
+    keys: KeyPair | None = None            # this worker's CURVE keys: the control link is encrypted and authenticated
+    coordinator_key: bytes | None = None   # ... to the coordinator holding this public key
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_liveness: int = HEARTBEAT_LIVENESS
+    gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
+    numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
+
+    @property
+    def numerics_class(self) -> str:
+        return self.numerics or numerics_classes.default_for(self.gpu)
+
+    def to_argv(self, key_files: tuple[str, str] | None = None) -> list[str]:
+        """`python -m meshnet.cli.main worker ...` with these options (KEY_FILES: this
+        worker's secret key file and the coordinator's public one, which stand for keys
+        and coordinator_key on a command line). A test holds it against the CLI's parse."""
+        layers = "auto" if self.layers is None else f"{self.layers[0]}:{self.layers[1]}"
+        argv = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", self.coordinator,
+                "--model", str(self.model_path), "--layers", layers, "--threads", str(self.n_threads),
+                "--ctx", str(self.n_ctx), "--max-sessions", str(self.max_sessions)]
+        optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics,
+                    "--max-queue": self.max_queue if self.max_queue != MAX_QUEUE else None,
+                    "--data-bind": self.data_bind if self.data_bind != DATA_BIND else None,
+                    "--heartbeat-interval": self.heartbeat_interval if self.heartbeat_interval != HEARTBEAT_INTERVAL
+                    else None,
+                    "--heartbeat-liveness": self.heartbeat_liveness if self.heartbeat_liveness != HEARTBEAT_LIVENESS
+                    else None}
+        for flag, value in optional.items():
+            if value is not None:
+                argv += [flag, str(value)]
+        if self.gpu:
+            argv.append("--gpu")
+        if key_files is not None:
+            argv += ["--secret", str(key_files[0]), "--coordinator-key", str(key_files[1])]
+        return argv
