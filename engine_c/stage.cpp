@@ -526,7 +526,9 @@ int32_t sample(meshnet_stage * stage, const session_slot & slot, const float * l
     return token;
 }
 
-meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
+// The checks of a whole forward call before anything runs: each entry, no session twice,
+// no more rows than n_batch.
+meshnet_status check_call(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
     const meshnet_stage_info & info = stage->info;
     if (!entries || n_entries < 1 || !out) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "forward needs at least one entry and an output");
@@ -535,7 +537,6 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 info.is_tail ? "the tail stage needs a token output buffer" : "this stage needs a residual output buffer");
     }
-
     int64_t n_rows = 0;
     for (int32_t i = 0; i < n_entries; ++i) {
         meshnet_status status = check_entry(stage, entries[i], i);
@@ -554,15 +555,18 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 format("a forward call of %lld rows is larger than the stage's n_batch of %d", (long long) n_rows, info.n_batch));
     }
+    return MESHNET_OK;
+}
 
-    // Each entry is computed exactly as it would be alone. With a KV stream per session,
-    // llama.cpp cuts a batch of several sessions into micro-batches holding as many rows
-    // of each (split_equal): a prompt chunk beside a decode step would run as a 1-row and
-    // an (n-1)-row micro-batch, whose floats differ from the whole chunk's (0.6 in a logit
-    // on SmolLM2, enough to change a sampled token). So the one-row entries (decode steps)
-    // share a call, each longer entry has a call of its own, and within a call rows go in
-    // sequence order (llama.cpp puts sessions in one micro-batch only when their sequence
-    // ids follow each other).
+// Each entry is computed exactly as it would be alone. With a KV stream per session,
+// llama.cpp cuts a batch of several sessions into micro-batches holding as many rows
+// of each (split_equal): a prompt chunk beside a decode step would run as a 1-row and
+// an (n-1)-row micro-batch, whose floats differ from the whole chunk's (0.6 in a logit
+// on SmolLM2, enough to change a sampled token). So the one-row entries (decode steps)
+// share a call, each longer entry has a call of its own, and within a call rows go in
+// sequence order (llama.cpp puts sessions in one micro-batch only when their sequence
+// ids follow each other).
+std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries) {
     std::vector<int32_t> order(n_entries);
     for (int32_t i = 0; i < n_entries; ++i) {
         order[i] = i;
@@ -578,13 +582,31 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
             calls.push_back({ i });
         }
     }
-    std::vector<int64_t> out_at(n_entries);   // an entry's first residual row in the output: entry order
-    for (int32_t i = 0, at = 0; i < n_entries; at += entries[i].n_tokens, ++i) {
-        out_at[i] = at;
+    return calls;
+}
+
+// One forward call's entries through the llama.cpp calls plan_calls chose: each call's
+// batch filled, computed and its outputs read before the next replaces them.
+struct forward_pass {
+    meshnet_stage * stage;
+    const meshnet_entry * entries;
+    int32_t n_entries;
+    meshnet_output * out;
+    std::vector<int64_t> out_at;       // an entry's first residual row in the output: entry order
+    std::vector<int32_t> sampled;      // joins its session's history once every call has succeeded
+    std::vector<int32_t> first_row, last_row;
+
+    forward_pass(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out)
+        : stage(stage), entries(entries), n_entries(n_entries), out(out), out_at(n_entries),
+          sampled(n_entries, -1), first_row(n_entries), last_row(n_entries) {
+        for (int32_t i = 0, at = 0; i < n_entries; at += entries[i].n_tokens, ++i) {
+            out_at[i] = at;
+        }
     }
+
     // a failed, aborted or refused call may have left rows in the KV cache, and the calls
     // before it theirs: drop them all, so that each session goes on from where it was
-    auto roll_back = [&]() {
+    meshnet_status fail(meshnet_status status, const std::string & message) {
         llama_memory_t mem = llama_get_memory(stage->ctx);
         for (int32_t i = 0; i < n_entries; ++i) {
             session_slot * slot = stage->find(entries[i].session_id);
@@ -594,13 +616,11 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 slot->lost = true;
             }
         }
-    };
-    std::vector<int32_t> sampled(n_entries, -1);   // joins its session's history once every call has succeeded
-    std::vector<int32_t> first_row(n_entries), last_row(n_entries);
-    for (const std::vector<int32_t> & call : calls) {
-        if (call.empty()) {
-            continue;
-        }
+        return stage->fail(status, message);
+    }
+
+    meshnet_status fill(const std::vector<int32_t> & call) {
+        const meshnet_stage_info & info = stage->info;
         llama_batch_ext_clear(stage->batch);
         for (const int32_t i : call) {
             const meshnet_entry & e = entries[i];
@@ -610,8 +630,7 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                     ? llama_batch_ext_add_token(stage->batch, seq, e.tokens[t])
                     : llama_batch_ext_add_embd(stage->batch, seq, llama_embd{ e.embd + (size_t) t * info.seam_width, 1, (size_t) info.seam_width });
                 if (idx < 0) {
-                    roll_back();
-                    return stage->fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
+                    return fail(MESHNET_ERR_INTERNAL, format("llama.cpp refused batch row %d (code %d)", t, idx));
                 }
                 // a residual row of an M-RoPE model carries one position per section, which
                 // llama.cpp fills in itself for a token row: the text position three times,
@@ -628,81 +647,112 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
                 llama_batch_ext_set_output_logits(stage->batch, last_row[i], true);
             }
         }
+        return MESHNET_OK;
+    }
 
+    meshnet_status compute() {
         stage->abort_requested.store(false);
         const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
-        if (rc != 0) {
-            roll_back();
-            if (rc == 2) {
-                return stage->fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
-            }
-            if (rc == 1) {
-                return stage->fail(MESHNET_ERR_CONTEXT_FULL, "no room in the KV cache for this batch");
-            }
-            return stage->fail(MESHNET_ERR_DECODE, format("llama.cpp failed to compute the batch (code %d): %s",
-                        rc, trimmed(tl_llama_errors).c_str()));
+        if (rc == 0) {
+            return MESHNET_OK;
         }
-
-        // the outputs of this call, before the next one replaces them
-        for (const int32_t i : call) {
-            if (info.is_tail) {
-                const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
-                if (!logits) {
-                    roll_back();
-                    return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
-                }
-                // one pass over the vocabulary: the most likely token, and no non-finite logit
-                int32_t best = 0;
-                for (int32_t v = 0; v < info.n_vocab; ++v) {
-                    if (!std::isfinite(logits[v])) {
-                        roll_back();
-                        return stage->fail(MESHNET_ERR_BAD_VALUE,
-                                format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
-                                       i, (double) logits[v], v));
-                    }
-                    if (logits[v] > logits[best]) {
-                        best = v;
-                    }
-                }
-                out->token[i] = best;
-                if (out->logits) {
-                    std::memcpy(out->logits + (size_t) i * info.n_vocab, logits, sizeof(float) * info.n_vocab);
-                }
-                const session_slot * slot = stage->find(entries[i].session_id);
-                const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
-                if (slot->sampled && next == (int64_t) slot->history.size()) {
-                    sampled[i] = out->token[i] = sample(stage, *slot, logits, next);
-                }
-                continue;
-            }
-            for (int32_t t = 0; t < entries[i].n_tokens; ++t) {
-                const int64_t out_row = out_at[i] + t;
-                const float * row = llama_get_embeddings_ith(stage->ctx, first_row[i] + t);
-                if (!row) {
-                    roll_back();
-                    return stage->fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
-                }
-                const int64_t bad = first_bad_value(row, info.seam_width, MAX_RESIDUAL_ABS);
-                if (bad >= 0) {
-                    roll_back();
-                    return stage->fail(MESHNET_ERR_BAD_VALUE,
-                            format("residual row %lld came out as %g in column %lld, not a finite value within +-%g; "
-                                   "nothing was kept", (long long) out_row, (double) row[bad], (long long) bad,
-                                   (double) MAX_RESIDUAL_ABS));
-                }
-                std::memcpy(out->residual + (size_t) out_row * info.seam_width, row, sizeof(float) * info.seam_width);
-            }
+        if (rc == 2) {
+            return fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
         }
+        if (rc == 1) {
+            return fail(MESHNET_ERR_CONTEXT_FULL, "no room in the KV cache for this batch");
+        }
+        return fail(MESHNET_ERR_DECODE, format("llama.cpp failed to compute the batch (code %d): %s",
+                    rc, trimmed(tl_llama_errors).c_str()));
     }
 
-    for (int32_t i = 0; i < n_entries; ++i) {
-        if (sampled[i] >= 0) {
-            stage->find(entries[i].session_id)->history.push_back(sampled[i]);
+    // the tail: the entry's greedy token (or its sampled one) and its logits, all finite
+    meshnet_status take_logits(int32_t i) {
+        const int32_t n_vocab = stage->info.n_vocab;
+        const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
+        if (!logits) {
+            return fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
+        }
+        // one pass over the vocabulary: the most likely token, and no non-finite logit
+        int32_t best = 0;
+        for (int32_t v = 0; v < n_vocab; ++v) {
+            if (!std::isfinite(logits[v])) {
+                return fail(MESHNET_ERR_BAD_VALUE,
+                        format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
+                               i, (double) logits[v], v));
+            }
+            if (logits[v] > logits[best]) {
+                best = v;
+            }
+        }
+        out->token[i] = best;
+        if (out->logits) {
+            std::memcpy(out->logits + (size_t) i * n_vocab, logits, sizeof(float) * n_vocab);
+        }
+        const session_slot * slot = stage->find(entries[i].session_id);
+        const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
+        if (slot->sampled && next == (int64_t) slot->history.size()) {
+            sampled[i] = out->token[i] = sample(stage, *slot, logits, next);
+        }
+        return MESHNET_OK;
+    }
+
+    // a head or middle stage: the entry's residual rows, each finite and within bounds
+    meshnet_status take_residual(int32_t i) {
+        const int32_t width = stage->info.seam_width;
+        for (int32_t t = 0; t < entries[i].n_tokens; ++t) {
+            const int64_t out_row = out_at[i] + t;
+            const float * row = llama_get_embeddings_ith(stage->ctx, first_row[i] + t);
+            if (!row) {
+                return fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no residual row");
+            }
+            const int64_t bad = first_bad_value(row, width, MAX_RESIDUAL_ABS);
+            if (bad >= 0) {
+                return fail(MESHNET_ERR_BAD_VALUE,
+                        format("residual row %lld came out as %g in column %lld, not a finite value within +-%g; "
+                               "nothing was kept", (long long) out_row, (double) row[bad], (long long) bad,
+                               (double) MAX_RESIDUAL_ABS));
+            }
+            std::memcpy(out->residual + (size_t) out_row * width, row, sizeof(float) * width);
+        }
+        return MESHNET_OK;
+    }
+
+    meshnet_status run(const std::vector<int32_t> & call) {
+        meshnet_status status = fill(call);
+        if (status == MESHNET_OK) {
+            status = compute();
+        }
+        for (size_t k = 0; status == MESHNET_OK && k < call.size(); ++k) {
+            status = stage->info.is_tail ? take_logits(call[k]) : take_residual(call[k]);
+        }
+        return status;
+    }
+
+    // every call succeeded: the sessions move on
+    void commit() {
+        for (int32_t i = 0; i < n_entries; ++i) {
+            session_slot * slot = stage->find(entries[i].session_id);
+            if (sampled[i] >= 0) {
+                slot->history.push_back(sampled[i]);
+            }
+            slot->n_tokens += entries[i].n_tokens;
         }
     }
-    for (int32_t i = 0; i < n_entries; ++i) {
-        stage->find(entries[i].session_id)->n_tokens += entries[i].n_tokens;
+};
+
+meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {
+    meshnet_status status = check_call(stage, entries, n_entries, out);
+    if (status != MESHNET_OK) {
+        return status;
     }
+    forward_pass pass(stage, entries, n_entries, out);
+    for (const std::vector<int32_t> & call : plan_calls(stage, entries, n_entries)) {
+        if (!call.empty() && (status = pass.run(call)) != MESHNET_OK) {
+            return status;
+        }
+    }
+    pass.commit();
     return MESHNET_OK;
 }
 
