@@ -59,14 +59,15 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
+    # the options' own mistakes first, before a model is looked for (or installed)
+    n_stages = len(split) + 1 if split is not None else stages or 2
+    gpu_stages = range(n_stages) if gpu == "all" else (gpu or ())
+    if any(i >= n_stages for i in gpu_stages):
+        raise click.BadParameter(f"the route has {n_stages} stages, positions 0 to {n_stages - 1}", param_hint="--gpu")
     try:
         path, sha256 = models.resolve(model)
         layout = read_layout(path)
-        ranges = ranges_from_seams(layout.n_layer, split) if split is not None else layout.balanced_ranges(stages or 2)
-        gpu_stages = range(len(ranges)) if gpu == "all" else (gpu or ())
-        if any(i >= len(ranges) for i in gpu_stages):
-            raise click.BadParameter(f"the route has {len(ranges)} stages, positions 0 to {len(ranges) - 1}",
-                                     param_hint="--gpu")
+        ranges = ranges_from_seams(layout.n_layer, split) if split is not None else layout.balanced_ranges(n_stages)
         cluster = LocalCluster(path, ranges, threads=threads, n_ctx=1024, max_sessions=1, gpu_stages=gpu_stages,
                                allow_mixed=allow_mixed, numerics=numerics)
         report = measure_route(cluster, path, n_tokens, threads)
