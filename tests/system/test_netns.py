@@ -107,13 +107,16 @@ def test_with_curve_on_every_link_the_route_across_namespaces_is_as_exact(smollm
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_run_stopped_mid_check_leaves_no_process_and_removes_its_namespaces_unless_killed_outright(tmp_path, sig):
+def test_a_run_stopped_mid_check_leaves_no_process_and_removes_its_namespaces_unless_killed_outright(tmp_path, sig,
+                                                                                                       arch_models):
     """The script alone is signalled while its checker runs: within a bound none of its
-    processes is left; SIGTERM also removes its namespaces (SIGKILL leaves only those)."""
+    processes is left; SIGTERM also removes its namespaces (SIGKILL leaves only those).
+    Any model does for that: a generated one, so that a plain pytest installs none."""
     mark = uuid.uuid4().hex
     err = tmp_path / "stderr"
     with open(err, "w") as stderr:
-        script = subprocess.Popen([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, MARK: mark},
+        script = subprocess.Popen([str(SCRIPT), arch_models["llama"]],
+                                  env={**os.environ, "PYTHON": sys.executable, MARK: mark},
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                                   start_new_session=True)
     try:
