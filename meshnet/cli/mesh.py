@@ -50,7 +50,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
            heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import security
-    from meshnet.stage.config import WorkerConfig
+    from meshnet.stage.config import WorkerConfig, given
     from meshnet.stage.worker import StageWorker
 
     if layers is None and mem is None:
@@ -68,10 +68,8 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
-                              **{name: value for name, value in (("max_queue", max_queue),
-                                                                 ("heartbeat_interval", heartbeat_interval),
-                                                                 ("heartbeat_liveness", heartbeat_liveness))
-                                 if value is not None})
+                              **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
+                                      heartbeat_liveness=heartbeat_liveness))
         sys.exit(StageWorker(config).run())
     except MeshnetError as e:
         fail(e)

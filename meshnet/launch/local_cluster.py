@@ -27,7 +27,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
-from meshnet.stage.config import WorkerConfig
+from meshnet.stage.config import WorkerConfig, given
 
 PR_SET_PDEATHSIG = 1
 STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
@@ -137,10 +137,8 @@ class LocalCluster:
         # one class for the whole route, a GPU stage's or not (a GPU runs stock)
         self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
         self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, numerics=self.numerics,
-                                   **{name: value for name, value in (("max_queue", max_queue),
-                                                                      ("heartbeat_interval", heartbeat_interval),
-                                                                      ("heartbeat_liveness", heartbeat_liveness))
-                                      if value is not None})
+                                   **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
+                                           heartbeat_liveness=heartbeat_liveness))
         if heartbeat_interval is not None:
             coordinator_options["heartbeat_interval"] = heartbeat_interval
         if heartbeat_liveness is not None:

@@ -16,6 +16,11 @@ MAX_QUEUE = 16                      # steps waiting on the stage before "busy"
 DATA_BIND = "tcp://127.0.0.1:0"     # the data endpoint: loopback unless told otherwise
 
 
+def given(**options) -> dict:
+    """The options a caller set (not None): the others keep WorkerConfig's defaults."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 @dataclass
 class WorkerConfig:
     coordinator: str
