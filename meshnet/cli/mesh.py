@@ -49,7 +49,7 @@ from meshnet.engine import models
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
            heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
-    from meshnet.net import security
+    from meshnet.net import addresses, security
     from meshnet.stage.config import WorkerConfig, given
     from meshnet.stage.worker import StageWorker
 
@@ -62,6 +62,9 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         # the engine before the classes turned the tiled matmul off for its whole process
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     try:
+        # a mistyped address fails before the model is looked for (and installed from its package)
+        addresses.checked(coordinator, "--coordinator")
+        addresses.checked(data_bind, "--data-bind")
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,

@@ -13,7 +13,10 @@ from meshnet.core.errors import MeshnetError
 def checked(endpoint: str, what: str) -> str:
     """ENDPOINT itself, or MeshnetError(bad_address) naming WHAT (an option) and why."""
     scheme, sep, rest = str(endpoint).partition("://")
-    if not sep or scheme != "tcp":
+    if not sep:
+        raise MeshnetError(E.BAD_ADDRESS, f"{what} {endpoint!r} names no transport: an address looks like "
+                           "tcp://127.0.0.1:5555")
+    if scheme != "tcp":
         return endpoint   # ipc://, inproc://: libzmq's own checks say what is wrong
     host, colon, port = rest.rpartition(":")
     if not colon or not host:

@@ -200,8 +200,10 @@ def _cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_run_reports_a_worker_lost_before_the_route_formed_at_once(how):
-    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "4"],
+def test_run_reports_a_worker_lost_before_the_route_formed_at_once(how, arch_models):
+    # any model does for the launcher's watch; a generated one keeps a plain pytest download-free
+    run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--model", arch_models["llama"],
+                            "--max-tokens", "4"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         child = None
@@ -241,9 +243,9 @@ def test_a_worker_that_fails_to_start_is_reported_with_its_exit_status_and_last_
 
 
 @pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["workers", "in-process"])
-def test_a_prompt_that_is_not_utf8_is_a_clear_error_at_once(mode):
+def test_a_prompt_that_is_not_utf8_is_a_clear_error_at_once(mode, arch_models):
     t0 = time.monotonic()
-    result = meshnet("run", *mode, "--prompt", b"caf\xe9")
+    result = meshnet("run", *mode, "--model", arch_models["llama"], "--prompt", b"caf\xe9")
     assert time.monotonic() - t0 < 15
     assert result.returncode == 5
     assert b"error: [invalid_argument]" in result.stderr and b"0xe9" in result.stderr

@@ -37,11 +37,13 @@ def reference(smollm2_path):
 # 2. one stage: the summary and --json, on workers and in one process
 
 @pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["workers", "in-process"])
-def test_a_run_of_one_stage_prints_its_summary_and_json_without_a_traceback(mode):
-    plain = meshnet("run", "--stages", "1", "--max-tokens", "4", "--threads", str(THREADS), *mode)
+def test_a_run_of_one_stage_prints_its_summary_and_json_without_a_traceback(mode, arch_models):
+    one_stage = ("run", "--model", arch_models["llama"], "--stages", "1", "--max-tokens", "4",
+                 "--threads", str(THREADS), *mode)
+    plain = meshnet(*one_stage)
     assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain.stderr
-    assert "[1 stage [0,30)" in plain.stderr and "hop p50" not in plain.stderr, plain.stderr
-    as_json = meshnet("run", "--stages", "1", "--max-tokens", "4", "--threads", str(THREADS), "--json", *mode)
+    assert "[1 stage [0,4)" in plain.stderr and "hop p50" not in plain.stderr, plain.stderr
+    as_json = meshnet(*one_stage, "--json")
     assert as_json.returncode == 0 and "Traceback" not in as_json.stderr, as_json.stderr
     assert len(last_json_line(as_json.stdout)["tokens"]) == 4
 

@@ -196,16 +196,18 @@ def test_loopback_is_told_apart_from_the_network():
                                                      "tcp://[::]:5", "tcp://example.org:5"))
 
 
-def test_run_uses_fresh_keys_on_loopback_by_default_and_gives_the_same_tokens_as_insecure():
+def test_run_uses_fresh_keys_on_loopback_by_default_and_gives_the_same_tokens_as_insecure(arch_models):
     def run(*extra):
-        result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "8", "--json",
-                                 "--threads", str(THREADS), *extra], capture_output=True, text=True, timeout=300)
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "run", "--model", arch_models["llama"],
+                                 "--max-tokens", "8", "--json", "--threads", str(THREADS), *extra],
+                                capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         import json
         return json.loads(result.stdout.strip().splitlines()[-1])
 
     secure, plain = run(), run("--insecure")
-    assert secure["tokens"] == plain["tokens"] and len(secure["tokens"]) == 8
+    # a random-weight model may end before 8 tokens: the same tokens, keys or not, is the point
+    assert secure["tokens"] == plain["tokens"] and 0 < len(secure["tokens"]) <= 8
     assert secure["metrics"]["curve"] is True and plain["metrics"]["curve"] is False
 
 

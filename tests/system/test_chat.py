@@ -173,7 +173,7 @@ def _answer(child, question, timeout=60):
     return chunks
 
 
-def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d():
+def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d(smollm2_path):
     child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli.main", "chat", "--threads", "1", "--max-tokens", "200",
                                            "--ctx", "1024"], encoding="utf-8", timeout=60, dimensions=(24, 200))
     workers = []
@@ -229,7 +229,7 @@ def test_meshnet_chat_in_a_terminal_streams_survives_ctrl_c_and_quits_on_ctrl_d(
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_meshnet_chat_ends_with_the_error_when_no_route_is_left():
+def test_meshnet_chat_ends_with_the_error_when_no_route_is_left(smollm2_path):
     child = pexpect.spawn(sys.executable, ["-m", "meshnet.cli.main", "chat", "--threads", "1", "--max-tokens", "8",
                                            "--ctx", "256"], encoding="utf-8", timeout=60)
     try:
@@ -273,8 +273,8 @@ def test_run_chat_answers_one_message_through_the_template_on_workers_and_in_pro
     assert text.returncode == 0 and text.stdout.strip() == report["text"].strip(), text.stderr
 
 
-def test_run_samples_with_a_seed_the_same_tokens_on_workers_and_in_process():
-    args = ["run", "--json", "--max-tokens", "12", "--threads", str(THREADS), "--temperature", "0.9", "--top-p",
+def test_run_samples_with_a_seed_the_same_tokens_on_workers_and_in_process(arch_models):
+    args = ["run", "--model", arch_models["llama"], "--json", "--max-tokens", "12", "--threads", str(THREADS), "--temperature", "0.9", "--top-p",
             "0.95", "--seed", "7", "--prompt", "Once upon a time"]
     on_workers, in_process = meshnet(*args), meshnet(*args, "--in-process")
     assert on_workers.returncode == 0 and in_process.returncode == 0, on_workers.stderr + in_process.stderr
@@ -282,5 +282,5 @@ def test_run_samples_with_a_seed_the_same_tokens_on_workers_and_in_process():
     assert a["tokens"] and a["tokens"] == b["tokens"]
     assert a["metrics"]["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 
-    bad = meshnet("run", "--top-p", "2")
+    bad = meshnet("run", "--model", arch_models["llama"], "--top-p", "2")
     assert bad.returncode == 2 and "--top-p" in bad.stderr and "top_p must be within" in bad.stderr

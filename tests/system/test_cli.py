@@ -44,7 +44,7 @@ def test_run_json_gives_the_whole_model_tokens(smollm2_path):
         assert report["metrics"][key] > 0
 
 
-def test_run_stages_flag_splits_the_work_evenly():
+def test_run_stages_flag_splits_the_work_evenly(smollm2_path):
     result = meshnet("run", "--json", "--stages", "3", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     # SmolLM2's output matrix (tied to its 49152 x 576 embeddings) is worth 8 of its layers:
@@ -52,8 +52,8 @@ def test_run_stages_flag_splits_the_work_evenly():
     assert last_json_line(result.stdout)["metrics"]["stages"] == [[0, 12], [12, 25], [25, 30]]
 
 
-def test_run_refuses_a_split_outside_the_model_with_the_code_and_its_exit_status():
-    result = meshnet("run", "--split", "40")
+def test_run_refuses_a_split_outside_the_model_with_the_code_and_its_exit_status(arch_models):
+    result = meshnet("run", "--model", arch_models["llama"], "--split", "6")   # a 4-layer generated model
     assert result.returncode == 3  # a problem with the model or its range
     assert "error: [bad_range]" in result.stderr
     missing = meshnet("run", "--model", "/nonexistent/model.gguf")
@@ -74,10 +74,10 @@ def test_inspect_reports_the_layout_from_the_gguf(smollm2_path):
     assert "layer 29" in text.stdout and "tied" in text.stdout
 
 
-def test_run_in_process_and_on_workers_give_the_same_tokens():
-    prompt = "A good breakfast is"
-    on_workers = meshnet("run", "--json", "--max-tokens", "12", "--threads", str(THREADS), "--prompt", prompt)
-    in_process = meshnet("run", "--json", "--in-process", "--max-tokens", "12", "--threads", str(THREADS), "--prompt", prompt)
+def test_run_in_process_and_on_workers_give_the_same_tokens(arch_models):
+    args = ("run", "--model", arch_models["llama"], "--json", "--max-tokens", "12", "--threads", str(THREADS),
+            "--prompt", "A good breakfast is")
+    on_workers, in_process = meshnet(*args), meshnet(*args, "--in-process")
     assert on_workers.returncode == 0 and in_process.returncode == 0, on_workers.stderr + in_process.stderr
     a, b = last_json_line(on_workers.stdout), last_json_line(in_process.stdout)
     assert a["tokens"] and a["tokens"] == b["tokens"] and a["text"] == b["text"]
@@ -86,7 +86,8 @@ def test_run_in_process_and_on_workers_give_the_same_tokens():
     assert a["metrics"]["hop_us_p50"] > 0 and "hop_us_p50" not in b["metrics"]
 
 
-def test_ctrl_c_during_run_leaves_no_worker_processes():
+def test_ctrl_c_during_run_leaves_no_worker_processes(smollm2_path):
+    # SmolLM2 for a run that lasts: a generated model gives its 1500 tokens in a few seconds
     prompt = "Count from one to one thousand: one, two, three,"
     run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "1500", "--ctx", "2048",
                             "--prompt", prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -33,7 +33,7 @@ def manifest_in(out_dir: Path) -> dict:
     return manifest
 
 
-def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
+def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path, smollm2_path):
     result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS))
     assert result.returncode == 0, result.stdout + result.stderr
     manifest = manifest_in(tmp_path)
@@ -62,7 +62,7 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path):
     assert "Memory per stage at the end of the run: [0,19) RSS" in (run_dir / "README.md").read_text()
 
 
-def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path):
+def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path, smollm2_path):
     env = dict(os.environ, MESHNET_TEST_FAULT="wrong_logits")  # test-only: the tail worker corrupts its logits
     result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS), env=env)
     assert result.returncode == 1
@@ -73,8 +73,9 @@ def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path):
     assert parity["status"] == "failed" and parity["max_abs_logit_diff"] > 0
 
 
-def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys():
-    result = meshnet("bench", "--repeats", "1", "--decode", "8", "--threads", str(THREADS), "--json")
+def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys(arch_models):
+    result = meshnet("bench", "--model", arch_models["llama"], "--repeats", "1", "--decode", "8", "--threads",
+                     str(THREADS), "--json")
     assert result.returncode == 0, result.stderr
     (report,) = json.loads(result.stdout.strip().splitlines()[-1])
     configs = report["configs"]
@@ -85,10 +86,11 @@ def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys():
         assert entry["decode_tok_s"]["min"] <= entry["decode_tok_s"]["median"] <= entry["decode_tok_s"]["max"]
     assert configs["whole"]["decode_tok_s_ratio"] == 1.0
     assert configs["workers"]["hop_us_p50"]["median"] > 0
-    assert configs["stages"]["seam_bytes_per_token"]["median"] == 576 * 4
+    row = report["n_embd"] * 4
+    assert configs["stages"]["seam_bytes_per_token"]["median"] == row
     # through workers: one crossing of each seam per decode token, the rows and a header of at most 128 bytes
     assert configs["workers"]["decode_crossings_per_token"]["median"] == 1.0
-    assert 576 * 4 < configs["workers"]["decode_seam_bytes_per_token"]["median"] <= 576 * 4 + 128
+    assert row < configs["workers"]["decode_seam_bytes_per_token"]["median"] <= row + 128
     assert len(configs["workers"]["rss_bytes"]) == 2
     # what a person reads: each configuration on its line with median [min-max]
     text = format_report(report)
@@ -120,9 +122,10 @@ def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
     assert tail["model_bytes"] > 0 and tail["forwards"] == 4 and tail["rss_bytes"] > tail["model_bytes"]
 
 
-def test_bench_measures_each_numerics_class_side_by_side_against_the_engine_before_them():
-    result = meshnet("bench", "--configs", "workers", "--numerics", "invariant,stock,baseline", "--repeats", "1",
-                     "--decode", "8", "--threads", str(THREADS), "--json")
+def test_bench_measures_each_numerics_class_side_by_side_against_the_engine_before_them(arch_models):
+    model = ("--model", arch_models["llama"])   # the classes' figures side by side: any model shows them
+    result = meshnet("bench", *model, "--configs", "workers", "--numerics", "invariant,stock,baseline", "--repeats",
+                     "1", "--decode", "8", "--threads", str(THREADS), "--json")
     assert result.returncode == 0, result.stderr
     (report,) = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(report["configs"]) == {"workers", "workers-stock", "workers-baseline"}
@@ -130,9 +133,9 @@ def test_bench_measures_each_numerics_class_side_by_side_against_the_engine_befo
     for pair in ("invariant/baseline", "stock/baseline", "invariant/stock"):
         assert report["numerics_ratios"][pair]["decode_tok_s"] > 0
         assert report["numerics_ratios"][pair]["prefill_tok_s"] > 0
-    printed = meshnet("bench", "--configs", "workers", "--numerics", "stock,baseline", "--repeats", "1", "--decode", "4",
-                      "--threads", str(THREADS))
+    printed = meshnet("bench", *model, "--configs", "workers", "--numerics", "stock,baseline", "--repeats", "1",
+                      "--decode", "4", "--threads", str(THREADS))
     assert printed.returncode == 0, printed.stderr
     assert "workers, numerics stock / baseline: prefill" in printed.stdout
-    refused = meshnet("bench", "--numerics", "baseline,stock")
+    refused = meshnet("bench", *model, "--numerics", "baseline,stock")
     assert refused.returncode == 2 and "baseline not first" in refused.stderr
