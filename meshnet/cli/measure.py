@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import sys
 
@@ -109,8 +110,11 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
               help="numerics classes, comma-separated: every configuration runs in the first; each other one "
                    "(invariant, stock, or baseline: the kernels before the classes) adds worker processes of "
                    "its own, measured side by side")
+@click.option("--trace", "trace_dir", default=None,
+              help="record the workers' per-token spans: a table of where a decode token's time goes, and the "
+                   "spans and a picture of them (timeline.json, timeline.svg) in this directory")
 @click.option("--json", "as_json", is_flag=True)
-def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, as_json):
+def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, trace_dir, as_json):
     """Whole model vs N stages in one process vs N worker processes, side by side."""
     from meshnet.core.numerics import CHOICES, CLASSES
     from meshnet.evidence.bench import CONFIGS, format_report, run_bench
@@ -125,7 +129,11 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, nu
     reports = []
     try:
         for name in model_names.split(","):
-            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes)
+            out = None
+            if trace_dir is not None:
+                out = os.path.join(trace_dir, os.path.basename(name)) if "," in model_names else trace_dir
+                os.makedirs(out, exist_ok=True)
+            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes, out)
             reports.append(report)
             if not as_json:
                 click.echo(format_report(report))

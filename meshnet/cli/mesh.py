@@ -46,8 +46,10 @@ from meshnet.engine import models
 @click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
                                             "make GPU=cuda); it then reports backend CUDA and the GPU's name")
 @numerics_option(baseline=True)
+@click.option("--trace", default=None, help="record a span per step of the per-token path and write them to this "
+                                            "file (JSON) when the worker stops: what meshnet bench --trace reads")
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.stage.config import WorkerConfig, given
@@ -68,7 +70,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         path, sha256 = models.resolve(model)
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
-                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics,
+                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,

@@ -10,11 +10,14 @@ every stage, as the workers do) and reports their aggregate decode rate.
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 from meshnet.core import numerics as numerics_classes
+from meshnet.core import trace
 from meshnet.core.metrics import rss_bytes
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
@@ -74,10 +77,13 @@ def summary(values: list[float]) -> dict | None:
 
 
 def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int, configs=CONFIGS,
-              sessions: int = 1, numerics: Sequence[str] = (numerics_classes.DEFAULT,)) -> dict:
+              sessions: int = 1, numerics: Sequence[str] = (numerics_classes.DEFAULT,),
+              trace_dir: str | None = None) -> dict:
     """NUMERICS: the classes to measure; every configuration runs in the first, and each
     other class (baseline: the kernels before the classes) adds a worker configuration
-    of its own, "workers-<class>", measured side by side with the rest."""
+    of its own, "workers-<class>", measured side by side with the rest. TRACE_DIR: the
+    workers configuration records its per-token spans (core/trace.py); their table is
+    the report's "timeline", and TRACE_DIR gets the spans and a picture of them."""
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = layout.balanced_ranges(n_stages)
@@ -106,9 +112,10 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             ("workers", True, "worker processes"), ("plain", False, "workers, no keys")) if label in configs]
         worker_configs += [(f"workers-{c}", True, f"workers, {c}", c) for c in other_classes]
         for label, secure, what, numerics_class in worker_configs:
+            traced = trace_dir if label == "workers" else None
             cluster = clusters[label] = LocalCluster(path, ranges, threads=threads, n_ctx=1024,
                                                      max_sessions=max(sessions, 1), secure=secure,
-                                                     numerics=numerics_class).start()
+                                                     numerics=numerics_class, trace_dir=traced).start()
             closers.append(cluster.close)
             runners[label] = lambda tokens, c=cluster.coordinator: c.generate(tokens, n_decode + 1,
                                                                               stop_at_eog=False).result().metrics
@@ -136,14 +143,31 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
                 samples[label].rss_bytes = [in_process_rss]  # this process holds both: shown with a mark
         for label, cluster in clusters.items():
             samples[label].rss_bytes = [s.get("rss_bytes", 0) for s in cluster.coordinator.metrics()["stages"]]
+        coordinator_spans = clusters["workers"].coordinator.timeline() if trace_dir and "workers" in clusters else None
     finally:
         for close in reversed(closers):
-            close()
+            close()   # a traced worker writes its spans as it stops
 
     settings = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
                 "prompts": len(PROSE), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
                 "n_embd": layout.n_embd, "numerics": list(numerics)}
-    return bench_report(settings, samples, first_class)
+    report = bench_report(settings, samples, first_class)
+    if coordinator_spans is not None:
+        report["timeline"] = write_timeline(trace_dir, len(ranges), coordinator_spans)
+    return report
+
+
+def write_timeline(trace_dir: str, n_stages: int, coordinator_spans: dict) -> dict:
+    """The stages' spans (stage-I.json, written by the workers) and the coordinator's, in
+    one file, with their table and a picture beside it."""
+    timelines = [json.loads((Path(trace_dir) / f"stage-{i}.json").read_text()) for i in range(n_stages)]
+    timelines.append(coordinator_spans)
+    table = trace.decode_table(timelines, [t["where"] for t in timelines[:n_stages]])
+    out = Path(trace_dir)
+    (out / "timeline.json").write_text(json.dumps({"timelines": timelines, "table": table}))
+    (out / "timeline.svg").write_text(trace.svg(timelines))
+    (out / "timeline.txt").write_text(trace.format_table(table) + "\n")
+    return table
 
 
 def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str) -> dict:
@@ -225,4 +249,7 @@ def format_report(report: dict) -> str:
                      f"{workers['decode_crossings_per_token']['median']:.2f} crossings per token per seam")
     if shared:
         lines.append("* one process runs every in-process configuration: its RSS covers all of them together")
+    if report.get("timeline"):
+        lines.append("where a decode token's time goes, workers (median per token):")
+        lines.append(trace.format_table(report["timeline"]))
     return "\n".join(lines)

@@ -130,6 +130,7 @@ class LocalCluster:
         secure: bool = True,
         gpu_stages: Sequence[int] = (),
         numerics: str | None = None,
+        trace_dir: str | None = None,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -144,6 +145,10 @@ class LocalCluster:
         if heartbeat_liveness is not None:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
+        # tracing: each worker writes its spans to stage-I.json here when it stops, the coordinator keeps its own
+        self.trace_dir = trace_dir
+        if trace_dir is not None:
+            coordinator_options["trace"] = True
         self.gpu_stages = set(gpu_stages)   # route positions whose worker runs on the GPU (worker --gpu)
         # fresh CURVE keys for this run: the coordinator's, one per worker, all in a private
         # directory that goes with the cluster
@@ -175,7 +180,8 @@ class LocalCluster:
         index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
         cpus = sorted(os.sched_getaffinity(0))
         config = WorkerConfig(self.coordinator.endpoint, self.model_path, (start, end), **self.worker_options,
-                              cpu=cpus[index % len(cpus)] if self.pin_cpus else None, gpu=index in self.gpu_stages)
+                              cpu=cpus[index % len(cpus)] if self.pin_cpus else None, gpu=index in self.gpu_stages,
+                              trace=os.path.join(self.trace_dir, f"stage-{index}.json") if self.trace_dir else None)
         key_files = None
         if self.keys_dir is not None:
             keys = Path(self.keys_dir.name)

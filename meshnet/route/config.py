@@ -32,6 +32,7 @@ class CoordinatorConfig:
     # appears within resume_wait seconds; at most max_resumes times
     resume_wait: float = 0.0
     max_resumes: int = 2
+    trace: bool = False                     # record a span per token received (core/trace.py), for meshnet bench --trace
 
     def __post_init__(self):
         addresses.checked(self.bind, "--bind")

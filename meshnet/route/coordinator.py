@@ -147,6 +147,11 @@ class Coordinator:
         """The coordinator's counters, as the I/O thread has them now (0 for a count never made)."""
         return self._io.submit(lambda f: f.set_result(collections.Counter(self._io.counters))).result(5)
 
+    def timeline(self) -> dict | None:
+        """The spans of the tokens received so far (core/trace.py), when started with trace."""
+        timeline = self._io.timeline
+        return None if timeline is None else self._io.submit(lambda f: f.set_result(timeline.to_dict())).result(5)
+
     def route(self) -> list[StageOffer]:
         """The current route, or MeshnetError(route_incomplete) saying why there is none."""
         return self._io.submit(lambda f: f.set_result([w.offer for w in self._io.registry.route()])).result(5)

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -23,6 +24,7 @@ import zmq
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.trace import Timeline
 from meshnet.net import protocol as P
 from meshnet.net.heartbeat import Liveness, Pacer, Wakefulness, now
 from meshnet.route.config import CoordinatorConfig
@@ -52,6 +54,7 @@ class IOLoop:
                                   resume_wait=config.resume_wait, max_resumes=config.max_resumes,
                                   counters=self.counters)
         self.callers: dict[int, queue.Queue] = {}
+        self.timeline = Timeline("coordinator") if config.trace else None
         self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._commands: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -411,6 +414,7 @@ class IOLoop:
     # ---- the data socket ---------------------------------------------------------------
 
     def _receive_data(self) -> None:
+        t0_ns = time.monotonic_ns()
         frames, why = P.recv_frames(self.sockets.data, 2, self.sockets.max_message_bytes)
         if why is not None:
             self.counters["dropped_oversized"] += 1
@@ -424,5 +428,7 @@ class IOLoop:
             self._guarded("a stage's chunk taken", self.table.took, msg, sid=msg.get("sid"))
         elif msg.type == P.TOKEN:
             self._guarded("a stage's token", self.table.token, msg, sid=msg.get("sid"))
+            if self.timeline is not None:
+                self.timeline.span("coordinator", msg["sid"], msg["pos"], msg["n"], t0_ns, time.monotonic_ns())
         else:
             self.counters["dropped_unknown_type"] += 1

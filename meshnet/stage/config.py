@@ -41,6 +41,7 @@ class WorkerConfig:
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
     gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
     numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
+    trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
 
     @property
     def numerics_class(self) -> str:
@@ -54,7 +55,7 @@ class WorkerConfig:
         argv = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", self.coordinator,
                 "--model", str(self.model_path), "--layers", layers, "--threads", str(self.n_threads),
                 "--ctx", str(self.n_ctx), "--max-sessions", str(self.max_sessions)]
-        optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics,
+        optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics, "--trace": self.trace,
                     "--max-queue": self.max_queue if self.max_queue != MAX_QUEUE else None,
                     "--data-bind": self.data_bind if self.data_bind != DATA_BIND else None,
                     "--heartbeat-interval": self.heartbeat_interval if self.heartbeat_interval != HEARTBEAT_INTERVAL

@@ -24,6 +24,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import StopRule, tail_step
 from meshnet.core.metrics import percentiles
 from meshnet.core.sampling import Sampling
+from meshnet.core.trace import Timeline
 from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
 from meshnet.engine.binding import Stage
 from meshnet.net import protocol as P
@@ -43,7 +44,7 @@ HOPS_KEPT = 10_000
 class StageLoop(threading.Thread):
     def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
                  max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None,
-                 curve: DataCurve | None = None):
+                 curve: DataCurve | None = None, timeline: Timeline | None = None):
         super().__init__(name="meshnet-stage", daemon=True)
         self.stage = stage
         self.info = stage.info()
@@ -53,6 +54,7 @@ class StageLoop(threading.Thread):
         self.test_fault = test_fault
         self.cpu = cpu
         self.curve = curve
+        self.timeline = timeline   # the per-token spans, when tracing (core/trace.py)
         self.jobs: collections.deque[Job | None] = collections.deque()
         self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
                           JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
@@ -287,13 +289,14 @@ class StageLoop(threading.Thread):
         for _ in range(RECV_BURST):
             if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+            t0_ns = time.monotonic_ns()
             frames, why = P.recv_frames(self.data, 2, self.max_payload + P.MAX_HEADER_BYTES)
             if why is not None:
                 self.dropped[E.OVERSIZED] += 1
                 continue
-            self._accept(frames, time.monotonic_ns())
+            self._accept(frames, time.monotonic_ns(), t0_ns)
 
-    def _accept(self, frames: list, t_ns: int) -> None:
+    def _accept(self, frames: list, t_ns: int, t0_ns: int = 0) -> None:
         """Check one data message; only one that names an open session with its key can
         touch that session (anything else is dropped and counted: a PULL has no one to
         answer)."""
@@ -320,6 +323,10 @@ class StageLoop(threading.Thread):
         except MeshnetError as e:
             self._session_failed(session, e)
             return
+        if self.timeline is not None:
+            step.meta.checked_ns = time.monotonic_ns()
+            self.timeline.span("receive", step.sid, step.pos, step.n, t0_ns, t_ns)
+            self.timeline.span("decode", step.sid, step.pos, step.n, t_ns, step.meta.checked_ns)
         self.waiting.append(step)
 
     def _step(self, session: StageSession, msg: P.Message, nbytes: int, t_ns: int) -> Step:
@@ -369,13 +376,18 @@ class StageLoop(threading.Thread):
             self.running = {s.sid for s in steps}
         if not steps:
             return
-        started = time.perf_counter_ns()
+        started = time.monotonic_ns()
         try:
             results = run_batch(self.stage, steps)
         finally:
             with self.lock:
                 self.running = set()
-        self.compute_us_total += (time.perf_counter_ns() - started) // 1000
+        ended = time.monotonic_ns()
+        self.compute_us_total += (ended - started) // 1000
+        if self.timeline is not None:
+            for s in steps:
+                self.timeline.span("wait", s.sid, s.pos, s.n, s.meta.checked_ns, started)
+                self.timeline.span("forward", s.sid, s.pos, s.n, started, ended)
         self.forwards += 1
         self.batched_entries += len(steps)
         for result in results:
@@ -396,21 +408,28 @@ class StageLoop(threading.Thread):
         # feeds the head no faster than the stages after it can follow
         tail_took = self.info.is_tail and step.pos + step.n < session.prompt_len
         if head_took or tail_took:
+            t0_ns = time.monotonic_ns()
             self._send(session, session.reply, P.encode(P.TOOK, 0, sid=step.sid, key=session.key, pos=step.pos,
                                                         n=step.n, head=head_took or None, tail=tail_took or None))
+            self._traced("send_reply", step.sid, step.pos, step.n, t0_ns)
         if not self.info.is_tail:
+            t0_ns = time.monotonic_ns()
             self._send(session, session.next_hop,
                        P.encode(P.ACT, 0, payload=P.f32_payload(result.residual), sid=step.sid, key=session.key,
                                 pos=step.pos, n=step.n, seams=inp.seams or None, ts=time.monotonic_ns()))
+            self._traced("send_next", step.sid, step.pos, step.n, t0_ns)
             return
         token = result.token
         is_eog = self.stage.is_eog(token)
         is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated, step.pos, step.n, is_eog)
         session.crossed(inp.seams)
         if feed_head:  # the next decode step first: it is the critical path
+            t0_ns = time.monotonic_ns()
             self._send(session, session.next_hop,
                        P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=step.pos + step.n, n=1, tokens=[token]))
+            self._traced("send_next", step.sid, step.pos + step.n, 1, t0_ns)
         if is_token:
+            t0_ns = time.monotonic_ns()
             session.n_generated += 1
             logits = result.logits
             if self.test_fault == "wrong_logits" and logits is not None:
@@ -420,6 +439,11 @@ class StageLoop(threading.Thread):
                 pos=step.pos, n=step.n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
                 logits_n=None if logits is None else len(logits), seams=session.seams or None))
             session.seams = []
+            self._traced("send_reply", step.sid, step.pos, step.n, t0_ns)
+
+    def _traced(self, name: str, sid: int, pos: int, n: int, t0_ns: int) -> None:
+        if self.timeline is not None:
+            self.timeline.span(name, sid, pos, n, t0_ns, time.monotonic_ns())
 
     def _send(self, session: StageSession, endpoint: str, frames: list) -> None:
         try:

@@ -48,3 +48,4 @@ class Input:
     seams: list
     ack: bool
     arrived: float = 0.0       # time.monotonic() at receipt
+    checked_ns: int = 0        # time.monotonic_ns() once checked and waiting (a trace's "wait" starts there)

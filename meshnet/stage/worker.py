@@ -27,6 +27,7 @@ from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import clock_id, rss_bytes
 from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
+from meshnet.core.trace import Timeline
 from meshnet.engine.binding import Stage, engine_pin
 from meshnet.net import addresses
 from meshnet.net import protocol as P
@@ -161,8 +162,10 @@ class StageWorker:
             # once the coordinator has named it at open
             self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
             curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
+        timeline = Timeline(f"[{info.layer_start},{info.layer_end})") if self.config.trace else None
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
-                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve)
+                              self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
+                              timeline=timeline)
         self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
 
     # connection
@@ -414,6 +417,8 @@ class StageWorker:
         self._submit(None)
         if self.loop is not None:
             self.loop.join(timeout=30)
+            if self.loop.timeline is not None:
+                self.loop.timeline.write(self.config.trace)
         self._send(P.encode(P.GOODBYE, 0))
         time.sleep(0.05)  # let the goodbye leave before the socket closes
         self.link.close(linger=100)

@@ -122,6 +122,29 @@ def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
     assert tail["model_bytes"] > 0 and tail["forwards"] == 4 and tail["rss_bytes"] > tail["model_bytes"]
 
 
+def test_bench_trace_tells_where_each_decode_token_s_time_goes_on_every_process(arch_models, tmp_path):
+    result = meshnet("bench", "--model", arch_models["llama"], "--configs", "workers", "--repeats", "1", "--decode", "8",
+                     "--threads", "1", "--trace", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
+    table = report["timeline"]
+    rows = {(r["where"], r["span"]): r for r in table["rows"]}
+    route = [f"[{a},{b})" for a, b in report["stages"]]
+    decode_steps = len(PROSE) * 8   # every prompt decodes 8 tokens after its first
+    for where in route:
+        for span in ("receive", "decode", "wait", "forward", "send_next"):
+            assert rows[(where, span)]["n"] >= decode_steps and rows[(where, span)]["us"] >= 0, (where, span)
+    assert rows[(route[0], f"hop in (from {route[-1]})")]["us"] > 0    # the ring: the tail feeds the head
+    assert rows[(route[1], f"hop in (from {route[0]})")]["us"] > 0
+    assert rows[("coordinator", "coordinator")]["n"] >= decode_steps
+    assert 0 < table["critical_us"] and table["period_us"] > 0
+    assert all(len(cpus) >= 1 for cpus in table["forward_cpus"].values())
+    saved = json.loads((tmp_path / "timeline.json").read_text())
+    assert [t["where"] for t in saved["timelines"]] == [*route, "coordinator"]
+    assert "<rect" in (tmp_path / "timeline.svg").read_text()
+    assert "unexplained" in (tmp_path / "timeline.txt").read_text()
+
+
 def test_bench_measures_each_numerics_class_side_by_side_against_the_engine_before_them(arch_models):
     model = ("--model", arch_models["llama"])   # the classes' figures side by side: any model shows them
     result = meshnet("bench", *model, "--configs", "workers", "--numerics", "invariant,stock,baseline", "--repeats",
