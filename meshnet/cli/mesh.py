@@ -48,8 +48,12 @@ from meshnet.engine import models
 @numerics_option(baseline=True)
 @click.option("--trace", default=None, help="record a span per step of the per-token path and write them to this "
                                             "file (JSON) when the worker stops: what meshnet bench --trace reads")
+@click.option("--spin-ms", type=click.FloatRange(min=0), default=None,
+              help="after each input, poll for the next one this long before sleeping: the next decode step is taken "
+                   "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
+                   "most half the CPUs, so no stage beside it computes where it spins; else 0]")
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace, spin_ms):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.stage.config import WorkerConfig, given
@@ -71,6 +75,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
+                              spin_ms=spin_ms,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,

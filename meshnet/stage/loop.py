@@ -44,7 +44,7 @@ HOPS_KEPT = 10_000
 class StageLoop(threading.Thread):
     def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
                  max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None,
-                 curve: DataCurve | None = None, timeline: Timeline | None = None):
+                 curve: DataCurve | None = None, timeline: Timeline | None = None, spin_ms: float = 0.0):
         super().__init__(name="meshnet-stage", daemon=True)
         self.stage = stage
         self.info = stage.info()
@@ -55,6 +55,7 @@ class StageLoop(threading.Thread):
         self.cpu = cpu
         self.curve = curve
         self.timeline = timeline   # the per-token spans, when tracing (core/trace.py)
+        self.spin_ns = int(spin_ms * 1e6)
         self.jobs: collections.deque[Job | None] = collections.deque()
         self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
                           JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
@@ -114,9 +115,16 @@ class StageLoop(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.pair, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
+        spin_until = 0
         while True:
             hold = self._gather_wait() if self.waiting else STATS_PERIOD
-            events = dict(poller.poll(math.ceil(hold * 1000) if hold else 0))
+            events = None
+            if not self.waiting and time.monotonic_ns() < spin_until:
+                events = self._spin(poller, spin_until)
+            if not events:
+                events = dict(poller.poll(math.ceil(hold * 1000) if hold else 0))
+            if self.spin_ns and self.data in events:
+                spin_until = time.monotonic_ns() + self.spin_ns
             if self.pair in events:
                 while self.pair.poll(0):
                     self.pair.recv()     # wake-ups: the jobs themselves are in the deque
@@ -129,6 +137,16 @@ class StageLoop(threading.Thread):
             if time.monotonic() - self._stats_at > STATS_PERIOD:
                 self._refresh_stats()
         self._close()
+
+    @staticmethod
+    def _spin(poller: zmq.Poller, until_ns: int) -> dict:
+        """Poll without sleeping until something comes or UNTIL_NS (each poll lets the GIL go:
+        the socket loop's heartbeats go on)."""
+        while time.monotonic_ns() < until_ns:
+            events = dict(poller.poll(0))
+            if events:
+                return events
+        return {}
 
     def _run_jobs(self) -> bool:
         while self.jobs:

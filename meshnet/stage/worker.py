@@ -165,7 +165,7 @@ class StageWorker:
         timeline = Timeline(f"[{info.layer_start},{info.layer_end})") if self.config.trace else None
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
-                              timeline=timeline)
+                              timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))))
         self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
 
     # connection

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshnet.core.layers import LayerRange
-from meshnet.stage.config import WorkerConfig
+from meshnet.stage.config import SPIN_MS, WorkerConfig, spin_ms_for
 
 
 def parsed(argv: list[str]) -> dict:
@@ -20,7 +20,7 @@ def parsed(argv: list[str]) -> dict:
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", (0, 15)), None),
     (WorkerConfig("tcp://10.0.0.1:5555", "/models/m.gguf", (15, 30), n_ctx=512, max_sessions=3, n_threads=1,
                   max_queue=4, data_bind="tcp://10.0.0.2:7000", cpu=1, heartbeat_interval=0.1,
-                  heartbeat_liveness=20, gpu=True, numerics="stock", trace="/tmp/stage-1.json"),
+                  heartbeat_liveness=20, gpu=True, numerics="stock", trace="/tmp/stage-1.json", spin_ms=5.0),
      ("/k/w.key_secret", "/k/c.key")),
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", None, mem=800 << 20, n_threads=2), None),
 ])
@@ -30,11 +30,30 @@ def test_the_command_line_a_config_writes_parses_back_to_the_same_options(config
     assert (None if layers is None else LayerRange.as_tuple(layers)) == config.layers
     assert (params["coordinator"], params["model"], params["mem"], params["threads"], params["n_ctx"],
             params["max_sessions"], params["data_bind"], params["cpu"], params["gpu"], params["numerics"],
-            params["trace"]) == \
+            params["trace"], params["spin_ms"]) == \
         (config.coordinator, config.model_path, config.mem, config.n_threads, config.n_ctx, config.max_sessions,
-         config.data_bind, config.cpu, config.gpu, config.numerics, config.trace)
+         config.data_bind, config.cpu, config.gpu, config.numerics, config.trace, config.spin_ms)
     # left out where they are the worker's defaults, so that the worker's own default stands
     assert (params["max_queue"] or config.max_queue, params["heartbeat_interval"] or config.heartbeat_interval,
             params["heartbeat_liveness"] or config.heartbeat_liveness) == \
         (config.max_queue, config.heartbeat_interval, config.heartbeat_liveness)
     assert (params["secret_file"], params["coordinator_key_file"]) == (key_files or (None, None))
+
+
+@pytest.mark.parametrize("n_threads, n_cpus, spins", [
+    (1, 2, True),     # two one-thread stages on two cores: the CPU it polls on is its own
+    (2, 4, True),
+    (2, 2, False),    # all the CPUs: a stage beside it would lose the core it polls on
+    (3, 4, False),
+    (1, 1, False),
+])
+def test_a_stage_polls_for_its_next_input_only_where_its_threads_leave_half_the_cpus(n_threads, n_cpus, spins):
+    assert spin_ms_for(n_threads, n_cpus) == (SPIN_MS if spins else 0.0)
+
+
+def test_a_spin_given_is_kept_and_threads_0_means_every_cpu():
+    config = WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", (0, 15))
+    assert config.spin_ms_on(2) == 0.0   # --threads 0: one per CPU, all of them
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1).spin_ms_on(2) == SPIN_MS
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1, spin_ms=0.0).spin_ms_on(2) == 0.0
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), spin_ms=7.5).spin_ms_on(64) == 7.5
