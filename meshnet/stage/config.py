@@ -53,7 +53,7 @@ class WorkerConfig:
     gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
     numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
     trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
-    spin_ms: float | None = None           # polling for the next input before sleeping; None: stage.loop.spin_ms_for
+    spin_ms: float | None = None           # polling for the next input before sleeping; None: spin_ms_for
 
     def spin_ms_on(self, n_cpus: int) -> float:
         """The polling this worker does for its next input, on N_CPUS CPUs."""

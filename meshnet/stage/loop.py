@@ -314,7 +314,7 @@ class StageLoop(threading.Thread):
                 continue
             self._accept(frames, time.monotonic_ns(), t0_ns)
 
-    def _accept(self, frames: list, t_ns: int, t0_ns: int = 0) -> None:
+    def _accept(self, frames: list, t_ns: int, t0_ns: int) -> None:
         """Check one data message; only one that names an open session with its key can
         touch that session (anything else is dropped and counted: a PULL has no one to
         answer)."""

@@ -25,6 +25,7 @@ import zmq
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import LayerRange
 from meshnet.core.metrics import clock_id, rss_bytes
 from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
 from meshnet.core.trace import Timeline
@@ -162,7 +163,7 @@ class StageWorker:
             # once the coordinator has named it at open
             self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
             curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
-        timeline = Timeline(f"[{info.layer_start},{info.layer_end})") if self.config.trace else None
+        timeline = Timeline(LayerRange(info.layer_start, info.layer_end).label) if self.config.trace else None
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
                               timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))))
