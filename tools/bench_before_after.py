@@ -54,6 +54,9 @@ def ratios(reports: list) -> dict[str, float]:
                     found[f"{report.get('model', '?')} {label} {key}"] = config[key]
         if "workers_over_stages_decode_tok_s" in report:
             found[f"{report.get('model', '?')} workers/stages decode"] = report["workers_over_stages_decode_tok_s"]
+        if "workers_over_stages_paired_decode_tok_s" in report:
+            found[f"{report.get('model', '?')} workers/stages decode, paired"] = (
+                report["workers_over_stages_paired_decode_tok_s"])
     return found
 
 

@@ -170,6 +170,13 @@ def write_timeline(trace_dir: str, n_stages: int, coordinator_spans: dict) -> di
     return table
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median of A[i] / B[i]: the runs of two configurations interleave, so the i-th of
+    each ran seconds apart on the same prompt, and a slow spell of the machine (minutes
+    long, up to 2x) falls on both sides of a pair instead of on one side of the medians."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str) -> dict:
     """The run's settings with each configuration's medians, and the ratios side by side:
     against the whole model, workers over stages, keys over none, class over class."""
@@ -192,6 +199,8 @@ def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str
         if "workers" in samples and "stages" in samples and getattr(samples["stages"], key):
             report[f"workers_over_stages_{key}"] = (statistics.median(getattr(samples["workers"], key))
                                                     / statistics.median(getattr(samples["stages"], key)))
+            report[f"workers_over_stages_paired_{key}"] = paired_ratio(getattr(samples["workers"], key),
+                                                                       getattr(samples["stages"], key))
         if "workers" in samples and "plain" in samples and getattr(samples["plain"], key):
             report[f"keys_over_plain_{key}"] = (statistics.median(getattr(samples["workers"], key))
                                                 / statistics.median(getattr(samples["plain"], key)))
@@ -233,7 +242,8 @@ def format_report(report: dict) -> str:
                      f"{seam:>10.0f} {rss:>12}")
     for key, what in (("decode_tok_s", "one session"), ("aggregate_decode_tok_s", f"{n} sessions")):
         if f"workers_over_stages_{key}" in report:
-            lines.append(f"workers / stages in one process, {what}: {report[f'workers_over_stages_{key}']:.3f}")
+            lines.append(f"workers / stages in one process, {what}: {report[f'workers_over_stages_{key}']:.3f} "
+                         f"(median of the runs side by side: {report[f'workers_over_stages_paired_{key}']:.3f})")
         if f"keys_over_plain_{key}" in report:
             lines.append(f"workers with CURVE keys (the default) / without, {what}: "
                          f"{report[f'keys_over_plain_{key}']:.3f}")

@@ -165,11 +165,21 @@ class LocalCluster:
             coordinator_options["allowed_workers"] = security.load_allowed(keys / "allowed")
         # each stage's data path on its own CPU (stage i on CPU i, round the machine's CPUs)
         self.pin_cpus = pin_cpus and len(os.sched_getaffinity(0)) > 1
+        tail_cpu = self._cpu_of(len(self.ranges) - 1)
+        if self.pin_cpus and tail_cpu != self._cpu_of(0):
+            # a token reaches the coordinator as the tail ends its forward and the head starts
+            # the next one: on the head's CPU its handling would delay that forward
+            coordinator_options.setdefault("cpu", tail_cpu)
         drift_meter = coordinator_options.pop("drift_meter", None)
         self.coordinator = Coordinator(CoordinatorConfig(**coordinator_options), drift_meter=drift_meter)
         # keyed by the plain (start, end), so a test can say processes[(0, 15)]
         self.processes: dict[tuple[int, int], subprocess.Popen] = {}
         self.stderr_tails: dict[tuple[int, int], StderrTail] = {}
+
+    @staticmethod
+    def _cpu_of(index: int) -> int:
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[index % len(cpus)]
 
     def spawn_worker(self, layers: LayerRange | tuple[int, int]) -> subprocess.Popen:
         """A worker process for this range (a spare, when one holds it already). It dies
@@ -178,9 +188,8 @@ class LocalCluster:
         layers = _layer_range(layers)
         start, end = layers
         index = next((i for i, r in enumerate(self.ranges) if r.as_tuple() == layers.as_tuple()), 0)
-        cpus = sorted(os.sched_getaffinity(0))
         config = WorkerConfig(self.coordinator.endpoint, self.model_path, (start, end), **self.worker_options,
-                              cpu=cpus[index % len(cpus)] if self.pin_cpus else None, gpu=index in self.gpu_stages,
+                              cpu=self._cpu_of(index) if self.pin_cpus else None, gpu=index in self.gpu_stages,
                               trace=os.path.join(self.trace_dir, f"stage-{index}.json") if self.trace_dir else None)
         key_files = None
         if self.keys_dir is not None:

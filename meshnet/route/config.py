@@ -33,6 +33,9 @@ class CoordinatorConfig:
     resume_wait: float = 0.0
     max_resumes: int = 2
     trace: bool = False                     # record a span per token received (core/trace.py), for meshnet bench --trace
+    # the CPU of the per-token handling (the loop thread and ZeroMQ's I/O thread), None for
+    # any: a local route gives it the tail's, which is idle while the head computes
+    cpu: int | None = None
 
     def __post_init__(self):
         addresses.checked(self.bind, "--bind")

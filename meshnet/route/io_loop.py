@@ -103,6 +103,8 @@ class IOLoop:
     # ---- the loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.config.cpu is not None:
+            os.sched_setaffinity(0, {self.config.cpu})   # this thread only: the caller's threads keep theirs
         poller = zmq.Poller()
         router, data, handshakes = self.sockets.router, self.sockets.data, self.sockets.handshakes
         for sock in (router, data, self._wake_r, handshakes):

@@ -24,6 +24,8 @@ class Listener:
     def __init__(self, config: CoordinatorConfig):
         self.keys = config.keys
         self.ctx = zmq.Context()
+        if config.cpu is not None:
+            self.ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, config.cpu)   # before any socket starts the I/O thread
         self.gatekeeper = self.handshakes = self.router = self.data = None
         self.pushes = Pushes(self.ctx, config.keys)
         self.max_message_bytes = config.max_payload + 2 * P.MAX_HEADER_BYTES

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import msgpack
@@ -11,12 +12,13 @@ import zmq
 
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence.prompts import SHORT
 from meshnet.launch.local_cluster import LocalCluster
 from meshnet.net import protocol as P
 
-from conftest import THREADS
+from conftest import THREADS, whole_model_tokens
 from peers import KEY, FakeCoordinator, start_worker, wait_until
 
 PROMPTS = SHORT
@@ -400,3 +402,21 @@ def test_a_request_past_its_deadline_ends_the_session_with_a_structured_error(sm
         # the stages drop the session, and the route still serves
         assert wait_until(lambda: all(s["n_sessions"] == 0 for s in c.coordinator.stage_stats()))
         assert len(c.coordinator.generate(reference[PROMPTS[0]][0], 4).result().tokens) == 4
+
+
+# where the per-token work runs
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placement needs two CPUs")
+def test_a_local_route_handles_its_tokens_on_the_tail_s_cpu_away_from_the_head_s(arch_models):
+    """Each stage's data path has its CPU; the coordinator's token handling takes the
+    tail's, which is idle while the head computes the next token. The tokens stay the
+    whole model's."""
+    path = arch_models["llama"]
+    n_layer = read_layout(path).n_layer
+    prompt_tokens, expected = whole_model_tokens(path, PROMPTS[0], 8)
+    cpus = sorted(os.sched_getaffinity(0))
+    with cluster(path, [(0, n_layer // 2), (n_layer // 2, n_layer)], threads=1, max_sessions=1) as c:
+        loop = next(t for t in threading.enumerate() if t.name == "meshnet-coordinator")
+        assert os.sched_getaffinity(loop.native_id) == {cpus[1]}
+        assert os.sched_getaffinity(0) == set(cpus)   # the caller's own thread keeps every CPU
+        assert c.coordinator.generate(prompt_tokens, 8, stop_at_eog=False).result(60).tokens == expected

@@ -99,6 +99,9 @@ def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys(arch_
         line = next(line for line in text.splitlines() if line.startswith(entry["label"]))
         assert f"{decode['median']:.1f} [{decode['min']:.1f}-{decode['max']:.1f}]" in line
     assert f"workers with CURVE keys (the default) / without, one session: {report['keys_over_plain_decode_tok_s']:.3f}" in text
+    # the ratio as the median of the runs side by side: the i-th runs of both, one prompt, seconds apart
+    paired, medians = report["workers_over_stages_paired_decode_tok_s"], report["workers_over_stages_decode_tok_s"]
+    assert paired > 0 and f"one session: {medians:.3f} (median of the runs side by side: {paired:.3f})" in text
 
 
 def test_metrics_are_served_as_prometheus_text_and_json(smollm2_path):
