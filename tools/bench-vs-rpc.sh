@@ -45,10 +45,10 @@ for model in "${models[@]}"; do
             for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && break; sleep 0.1; done
         done
         rpc=$("$rpc_build/bin/llama-bench" -m "$path" --rpc 127.0.0.1:50052,127.0.0.1:50053 -ngl 99 -p 64 -n 64 \
-            -r "$repeats" -o json)
+            -t "$threads" -r "$repeats" -o json)   # the client's threads too: it computes the input embedding
         stop_servers
         echo "== $model, $threads thread(s) each: meshnet, two worker processes"
-        ours=$("$py" -m meshnet.cli.main bench --model "$model" --configs workers --repeats "$repeats" --decode 64 \
+        ours=$("$py" -m meshnet.cli.main bench --model "$model" --configs whole,workers --repeats "$repeats" --decode 64 \
             --threads "$threads" ${numerics[@]+"${numerics[@]}"} --json | tail -n 1)
         "$py" - "$model" "$threads" "$rpc" "$ours" >> "$results" <<'EOF'
 import json, sys
@@ -57,14 +57,18 @@ pp = next(r["avg_ts"] for r in rpc if r["n_prompt"] > 0 and r["n_gen"] == 0)
 tg = next(r["avg_ts"] for r in rpc if r["n_gen"] > 0 and r["n_prompt"] == 0)
 workers = ours["configs"]["workers"]
 prefill, decode = workers["prefill_tok_s"]["median"], workers["decode_tok_s"]["median"]
+whole = ours["configs"]["whole"]["decode_tok_s"]["median"]
 print(f"{model:<22} {threads:>7} {pp:>9.1f} {prefill:>11.1f} {prefill / pp:>6.2f}x {tg:>9.1f} {decode:>11.1f} "
-      f"{decode / tg:>6.2f}x")
+      f"{decode / tg:>6.2f}x {whole:>9.1f} {tg / whole:>6.2f} {decode / whole:>6.2f}")
 EOF
         tail -n 1 "$results"
     done
 done
 echo
 echo "meshnet (2 worker processes, median of ${repeats} repeats x 4 prompts) / llama.cpp RPC (2 servers, llama-bench pp64 / tg64)"
-printf '%-22s %7s %9s %11s %7s %9s %11s %7s\n' model threads "RPC pp" "meshnet pp" ratio "RPC tg" "meshnet tg" ratio
+printf '%-22s %7s %9s %11s %7s %9s %11s %7s %9s %6s %6s\n' model threads "RPC pp" "meshnet pp" ratio "RPC tg" \
+    "meshnet tg" ratio "whole tg" "RPC/w" "ours/w"
+echo "whole tg: the whole model in one process, meshnet's engine and class, the same threads (beside the workers);"
+echo "RPC/w, ours/w: each split's decode over it. RPC runs stock llama.cpp's kernels (NUMERICS=stock: meshnet's too)."
 cat "$results"
 rm -f "$results"

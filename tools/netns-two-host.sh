@@ -15,6 +15,7 @@
 #   SECURE=1    CURVE on every link, with fresh keys (meshnet keys generate); the checker
 #               asserts each link's mechanism. Unset: the workers run with --insecure.
 #   PORT        the coordinator's port (default 5555: the namespaces are private).
+#   ROUNDS      timed runs of each prompt, whole model and route in turns (default 3).
 #   PYTHON      the interpreter with meshnet (default: the active or the project's venv).
 # Exit status: 0 every check held, 1 one did not (or a process failed), 2 a bad DELAY,
 # 77 no namespaces can be made here (not root, no `ip`, no /dev/net/tun for DELAY):
@@ -187,6 +188,7 @@ start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tc
 # the checker's output is ours; the workers reconnect until its coordinator listens
 ${tie[@]+"${tie[@]}"} ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" \
     --model "$model_path" --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" \
+    --rounds "${ROUNDS:-3}" \
     ${check_keys[@]+"${check_keys[@]}"} &
 checker=$!
 pids+=("$checker")

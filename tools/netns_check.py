@@ -8,8 +8,8 @@ whole it checks, against the whole model run in this one process:
   isolation  the prompts run as concurrent sessions give exactly what each gave alone;
   the wire   the ICMP round trip to the other namespace is at least twice --delay-us;
 
-prints the route's decode tokens/s and hop latency next to the whole model's, and one
-JSON object on the last line. Exit status 0 only when every check held."""
+prints the route's decode tokens/s and hop latency next to the whole model's (timed
+runs of their own, the two in turns), and one JSON object on the last line. Exit status 0 only when every check held."""
 
 from __future__ import annotations
 
@@ -103,6 +103,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="the workers' --threads: the whole model runs with as many")
     parser.add_argument("--ctx", type=int, default=1024, help="the workers' --ctx")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each prompt on the whole model and "
+                                                               "on the route, in turns")
     parser.add_argument("--peer", required=True, help="the other namespace's address, pinged")
     parser.add_argument("--delay-us", type=int, default=0, help="the wire's one-way delay")
     parser.add_argument("--keys", default=None, help="a directory from `meshnet keys generate`: coordinator.key_secret "
@@ -127,6 +129,21 @@ def _pushes_curve(stats: list[dict]) -> tuple[bool, int]:
     coordinator, the head) ran CURVE; and how many there were."""
     opened = [s["mechanisms"]["pushes_opened"] for s in stats]
     return all(o and set(o) == {"CURVE"} for o in opened), sum(sum(o.values()) for o in opened)
+
+
+def decode_side_by_side(pipe: LocalPipeline, coordinator: Coordinator, prompts: list, n_tokens: int,
+                        rounds: int) -> dict[str, list[float]]:
+    """Decode tokens/s of the whole model here and of the route, each prompt run on one and
+    then the other, ROUNDS times: a slow spell of the machine falls on both. No logits
+    travel (the parity runs carry them; a user's session does not)."""
+    coordinator.generate(prompts[0][:16], 4, stop_at_eog=False).result(120)   # first-touch allocations
+    speeds: dict[str, list[float]] = {"whole": [], "route": []}
+    for _ in range(rounds):
+        for tokens in prompts:
+            speeds["whole"].append(pipe.generate(tokens, n_tokens, stop_at_eog=False).metrics["decode_tok_s"])
+            speeds["route"].append(coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(120)
+                                   .metrics["decode_tok_s"])
+    return speeds
 
 
 def check(args, report: dict) -> bool:
@@ -166,11 +183,15 @@ def check(args, report: dict) -> bool:
         # the truth, computed while the workers sit idle: the same thread count and context
         # as theirs give the same floats
         whole = {}
-        with LocalPipeline(path, [LayerRange(0, n_layer, n_layer)], n_ctx=args.ctx, max_sessions=1,
-                           n_threads=args.threads) as pipe:
+        pipe = LocalPipeline(path, [LayerRange(0, n_layer, n_layer)], n_ctx=args.ctx, max_sessions=1,
+                             n_threads=args.threads)
+        try:
             for prompt in PROMPTS:
                 tokens = pipe.head.tokenize(prompt)
                 whole[prompt] = (tokens, pipe.generate(tokens, args.tokens, keep_logits=True, stop_at_eog=False))
+            speeds = decode_side_by_side(pipe, coordinator, [whole[p][0] for p in PROMPTS], args.tokens, args.rounds)
+        finally:
+            pipe.close()
 
         alone = {}
         for prompt in PROMPTS:
@@ -196,15 +217,17 @@ def check(args, report: dict) -> bool:
             report["curve"] = report["curve"] and pushes_ok
             say(f"curve     every push the sessions opened ({n_pushes}) runs CURVE: {pushes_ok}")
 
-        route_decode = statistics.median(alone[p].metrics["decode_tok_s"] for p in PROMPTS)
-        whole_decode = statistics.median(whole[p][1].metrics["decode_tok_s"] for p in PROMPTS)
+        route_decode, whole_decode = statistics.median(speeds["route"]), statistics.median(speeds["whole"])
+        paired = statistics.median(r / w for r, w in zip(speeds["route"], speeds["whole"]))
         # one session's hops, as its decode rate is one session's: medians over the prompts
         hop_p50 = statistics.median(alone[p].metrics["hop_us_p50"] for p in PROMPTS)
         hop_p99 = statistics.median(alone[p].metrics["hop_us_p99"] for p in PROMPTS)
-        report.update(route_decode_tok_s=route_decode, whole_decode_tok_s=whole_decode, hop_us_p50=hop_p50,
-                      hop_us_p99=hop_p99)
-        say(f"decode    route {route_decode:.1f} tok/s, whole model in one process {whole_decode:.1f} tok/s "
-            f"(one session, {args.threads} thread(s) per stage, median of {len(PROMPTS)} prompts)")
+        report.update(route_decode_tok_s=route_decode, whole_decode_tok_s=whole_decode,
+                      route_over_whole=route_decode / whole_decode, route_over_whole_paired=paired,
+                      hop_us_p50=hop_p50, hop_us_p99=hop_p99)
+        say(f"decode    route {route_decode:.1f} tok/s, whole model in one process {whole_decode:.1f} tok/s: "
+            f"{route_decode / whole_decode:.3f} (median of the runs side by side: {paired:.3f}; one session, "
+            f"{args.threads} thread(s) per stage, {len(PROMPTS)} prompts x {args.rounds} rounds, no logits)")
         say(f"hop       one session: p50 {hop_p50:.0f} us, p99 {hop_p99:.0f} us (medians of {len(PROMPTS)} prompts)")
         for s in coordinator.metrics()["stages"]:
             if s.get("hop_us_p50") is not None:

@@ -81,52 +81,64 @@ def spans_of(timelines: Iterable[dict]) -> list[Span]:
 
 
 def decode_table(timelines: list[dict], route: list[str]) -> dict:
-    """Per decode token (a step of one row), the median of each span at each stage of
-    ROUTE (the stages' `where`, in route order), each hop into a stage, and the token's
-    period at the coordinator: with what the spans leave unexplained."""
+    """Per decode token (a step of one row), the median, mean and 90th percentile of each
+    span at each stage of ROUTE (the stages' `where`, in route order), each hop into a
+    stage, and the token's period at the coordinator: with what the spans leave
+    unexplained. The medians say what a token usually costs; the means add up (a sum of
+    medians does not), and a mean far above its median is a tail: a wait of milliseconds
+    now and then."""
     spans = [s for s in spans_of(timelines) if s.n == 1]
     by = collections.defaultdict(dict)   # (where, name) -> {(sid, pos): span}
     for s in spans:
         by[(s.where, s.name)][(s.sid, s.pos)] = s
-    rows, critical = [], 0.0
+    rows = []
 
-    def median(values):
-        values = list(values)
-        return statistics.median(values) if values else None
+    def row(where: str, span: str, values) -> dict:
+        values = sorted(values)
+        found = {"where": where, "span": span, "us": None, "mean_us": None, "p90_us": None, "n": len(values)}
+        if values:
+            found.update(us=statistics.median(values), mean_us=statistics.fmean(values),
+                         p90_us=values[min(len(values) - 1, int(0.9 * len(values)))])
+        return found
 
     for k, where in enumerate(route):
         sender = route[k - 1]   # the head's input comes from the tail (the ring)
         receives = by[(where, "receive")]
         sends = by[(sender, "send_next")]
-        hop = median(r.t0_ns / 1000 - sends[key].t1_ns / 1000 for key, r in receives.items() if key in sends)
-        rows.append({"where": where, "span": f"hop in (from {sender})", "us": hop, "n": len(receives)})
-        critical += hop or 0.0
+        rows.append(row(where, f"hop in (from {sender})",
+                        [r.t0_ns / 1000 - sends[key].t1_ns / 1000 for key, r in receives.items() if key in sends]))
         for name in STAGE_SPANS + SIDE_SPANS:
-            found = by[(where, name)]
-            us = median(s.us for s in found.values())
-            rows.append({"where": where, "span": name, "us": us, "n": len(found)})
-            if name in STAGE_SPANS:
-                critical += us or 0.0
+            rows.append(row(where, name, [s.us for s in by[(where, name)].values()]))
+    on_path = [r for r in rows if r["span"].startswith("hop in") or r["span"] in STAGE_SPANS]
+    critical = sum(r["us"] or 0.0 for r in on_path)
+    critical_mean = sum(r["mean_us"] or 0.0 for r in on_path)
     handled = by[("coordinator", "coordinator")]
-    rows.append({"where": "coordinator", "span": "coordinator", "us": median(s.us for s in handled.values()),
-                 "n": len(handled)})
+    rows.append(row("coordinator", "coordinator", [s.us for s in handled.values()]))
     arrivals = sorted((s.sid, s.t0_ns) for s in handled.values())
     periods = [(b[1] - a[1]) / 1000 for a, b in zip(arrivals, arrivals[1:]) if a[0] == b[0]]
-    period = median(periods)
+    period = statistics.median(periods) if periods else None
+    period_mean = statistics.fmean(periods) if periods else None
     cpus = {where: sorted({s.cpu for s in spans if s.where == where and s.name == "forward"}) for where in route}
     return {"rows": rows, "critical_us": critical, "period_us": period,
-            "unexplained_us": None if period is None else period - critical, "forward_cpus": cpus}
+            "unexplained_us": None if period is None else period - critical,
+            "critical_mean_us": critical_mean, "period_mean_us": period_mean,
+            "unexplained_mean_us": None if period_mean is None else period_mean - critical_mean,
+            "forward_cpus": cpus}
 
 
 def format_table(table: dict) -> str:
-    lines = [f"{'where':<14} {'span':<24} {'median us':>10} {'n':>6}"]
+    def us(value):
+        return "-" if value is None else f"{value:.0f}"
+
+    lines = [f"{'where':<14} {'span':<24} {'median us':>10} {'mean us':>10} {'p90 us':>10} {'n':>6}"]
     for row in table["rows"]:
-        us = "-" if row["us"] is None else f"{row['us']:.0f}"
-        lines.append(f"{row['where']:<14} {row['span']:<24} {us:>10} {row['n']:>6}")
-    period, unexplained = (("-", "-") if table["period_us"] is None
-                           else (f"{table['period_us']:.0f}", f"{table['unexplained_us']:.0f}"))
-    lines.append(f"critical path (hops + stage spans): {table['critical_us']:.0f} us; token period at the "
-                 f"coordinator: {period} us; unexplained: {unexplained} us")
+        lines.append(f"{row['where']:<14} {row['span']:<24} {us(row['us']):>10} {us(row.get('mean_us')):>10} "
+                     f"{us(row.get('p90_us')):>10} {row['n']:>6}")
+    lines.append(f"critical path (hops + stage spans): {us(table['critical_us'])} us; token period at the "
+                 f"coordinator: {us(table['period_us'])} us; unexplained: {us(table['unexplained_us'])} us (medians)")
+    if table.get("period_mean_us") is not None:
+        lines.append(f"the same in means: {us(table['critical_mean_us'])} us; {us(table['period_mean_us'])} us; "
+                     f"unexplained: {us(table['unexplained_mean_us'])} us")
     lines.append("forward CPUs: " + ", ".join(f"{w} {c}" for w, c in table["forward_cpus"].items()))
     return "\n".join(lines)
 

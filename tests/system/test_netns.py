@@ -52,7 +52,8 @@ def leaked_namespaces():
 
 def run_script(**env):
     try:
-        result = run_bounded([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, **env}, timeout=RUN_BOUND_S)
+        result = run_bounded([str(SCRIPT)], env={**os.environ, "PYTHON": sys.executable, "ROUNDS": "1", **env},
+                             timeout=RUN_BOUND_S)
     finally:
         leaked = leaked_namespaces()
     assert not leaked, f"the run left its namespaces behind: {leaked}"

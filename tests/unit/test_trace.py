@@ -35,9 +35,24 @@ def test_the_table_gives_each_span_s_median_the_hops_between_them_and_what_is_le
     assert table["period_us"] == 1000
     assert table["critical_us"] == 2 * (450 + 50)
     assert table["unexplained_us"] == 0
+    assert rows[("[0,2)", "forward")]["mean_us"] == rows[("[0,2)", "forward")]["p90_us"] == 400
+    assert table["critical_mean_us"] == table["period_mean_us"] == 1000 and table["unexplained_mean_us"] == 0
     assert table["forward_cpus"] == {"[0,2)": [1], "[2,4)": [2]}
     text = trace.format_table(table)
     assert "unexplained: 0 us" in text and "[2,4)" in text
+
+
+def test_a_rare_long_wait_moves_the_mean_and_not_the_median():
+    head = stage("[0,2)", range(10, 20), 0, 400, pid=1)
+    tail = stage("[2,4)", range(10, 20), 500, 400, pid=2, tail=True)
+    for span in tail["spans"]:   # one token of ten: the tail's receive comes 2,000 us late
+        if span[2] == 15 and span[0] != "send_next":
+            span[4] += 2000 * US
+            span[5] += 2000 * US
+    table = trace.decode_table([head, tail, {"where": "coordinator", "pid": 3, "spans": []}], ["[0,2)", "[2,4)"])
+    hop = next(r for r in table["rows"] if r["where"] == "[2,4)" and r["span"].startswith("hop in"))
+    assert hop["us"] == 50 and hop["mean_us"] == 50 + 2000 / 10 and hop["p90_us"] == 2050
+    assert "mean us" in trace.format_table(table)
 
 
 def test_prompt_chunks_stay_out_of_the_decode_table_and_a_picture_draws_every_span():
