@@ -9,7 +9,8 @@ whole it checks, against the whole model run in this one process:
   the wire   the ICMP round trip to the other namespace is at least twice --delay-us;
 
 prints the route's decode tokens/s and hop latency next to the whole model's (timed
-runs of their own, the two in turns), and one JSON object on the last line. Exit status 0 only when every check held."""
+runs of their own, the two in turns), and one JSON object on the last line. Exit status
+0 only when every check held."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.core.metrics import paired_ratio
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
@@ -183,15 +185,12 @@ def check(args, report: dict) -> bool:
         # the truth, computed while the workers sit idle: the same thread count and context
         # as theirs give the same floats
         whole = {}
-        pipe = LocalPipeline(path, [LayerRange(0, n_layer, n_layer)], n_ctx=args.ctx, max_sessions=1,
-                             n_threads=args.threads)
-        try:
+        with LocalPipeline(path, [LayerRange(0, n_layer, n_layer)], n_ctx=args.ctx, max_sessions=1,
+                           n_threads=args.threads) as pipe:
             for prompt in PROMPTS:
                 tokens = pipe.head.tokenize(prompt)
                 whole[prompt] = (tokens, pipe.generate(tokens, args.tokens, keep_logits=True, stop_at_eog=False))
             speeds = decode_side_by_side(pipe, coordinator, [whole[p][0] for p in PROMPTS], args.tokens, args.rounds)
-        finally:
-            pipe.close()
 
         alone = {}
         for prompt in PROMPTS:
@@ -218,7 +217,7 @@ def check(args, report: dict) -> bool:
             say(f"curve     every push the sessions opened ({n_pushes}) runs CURVE: {pushes_ok}")
 
         route_decode, whole_decode = statistics.median(speeds["route"]), statistics.median(speeds["whole"])
-        paired = statistics.median(r / w for r, w in zip(speeds["route"], speeds["whole"]))
+        paired = paired_ratio(speeds["route"], speeds["whole"])
         # one session's hops, as its decode rate is one session's: medians over the prompts
         hop_p50 = statistics.median(alone[p].metrics["hop_us_p50"] for p in PROMPTS)
         hop_p99 = statistics.median(alone[p].metrics["hop_us_p99"] for p in PROMPTS)

@@ -4,6 +4,7 @@ Prometheus text (net/metrics_server.py serves both on an opt-in HTTP port)."""
 from __future__ import annotations
 
 import os
+import statistics
 import uuid
 from typing import Iterable
 
@@ -42,6 +43,13 @@ def percentiles(values: Iterable[float], points=(50, 99)) -> dict:
     if data.size == 0:
         return {f"p{p}": None for p in points}
     return {f"p{p}": float(np.percentile(data, p)) for p in points}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median of A[i] / B[i], for two configurations run in turns: the i-th of each
+    ran seconds apart on the same prompt, and a slow spell of the machine (minutes
+    long, up to 2x) falls on both sides of a pair instead of on one side of the medians."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def prometheus_text(snapshot: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from meshnet.core import numerics as numerics_classes
 from meshnet.core import trace
-from meshnet.core.metrics import rss_bytes
+from meshnet.core.metrics import paired_ratio, rss_bytes
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline, Request
@@ -168,13 +168,6 @@ def write_timeline(trace_dir: str, n_stages: int, coordinator_spans: dict) -> di
     (out / "timeline.svg").write_text(trace.svg(timelines))
     (out / "timeline.txt").write_text(trace.format_table(table) + "\n")
     return table
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """The median of A[i] / B[i]: the runs of two configurations interleave, so the i-th of
-    each ran seconds apart on the same prompt, and a slow spell of the machine (minutes
-    long, up to 2x) falls on both sides of a pair instead of on one side of the medians."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str) -> dict:
