@@ -74,7 +74,7 @@ check-patches: $(PRISTINE)/.stamp
 	tools/patch_tree.sh check $(PRISTINE) $(PATCHES)
 
 # configure again whenever the tree is re-patched, so the baked-in pin stays true
-$(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt
+$(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt engine_c/cmake/no_amx.cmake
 	cmake -S engine_c -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
 	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(BUILD)) \
 	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
@@ -99,7 +99,7 @@ engine-cuda: $(TREE)/.stamp
 # options for the stock class, and without llamafile for the invariant class (its other
 # kernel choices are the program's --no-repack and GGML_CPU_TILED_MM=0; tools/reference).
 REFERENCE := $(BUILD)/reference
-REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt
+REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt engine_c/cmake/no_amx.cmake
 
 reference: $(REFERENCE)/stock/meshnet-reference $(REFERENCE)/invariant/meshnet-reference
 
