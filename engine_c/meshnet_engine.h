@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 8
+#define MESHNET_ENGINE_ABI_VERSION 9
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -122,7 +122,15 @@ typedef struct {
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other
- * stage passes n_tokens residual rows of embd_width (= info.seam_width) floats each. */
+ * stage passes n_tokens residual rows of embd_width (= info.seam_width) floats each.
+ *
+ * verify (the tail; other stages compute the rows as any others): the rows are the
+ * session's last drawn token, then n_tokens - 1 drafted tokens, whose ids `tokens` holds
+ * on every stage. The tail draws the token after each row as it would have, had the rows
+ * come one by one (the most likely, or the sampler's draw for that position, knowing the
+ * drafts before it), and keeps the rows up to the first draft that differs from its own
+ * draw: the session then holds pos + n_accepted + 1 tokens. A model with recurrent state
+ * cannot drop the rows it does not keep, and is refused (MESHNET_ERR_CANNOT_ROLL_BACK). */
 typedef struct {
     uint64_t        session_id;
     int32_t         pos;         /* position of the first row: the session's length so far */
@@ -130,16 +138,22 @@ typedef struct {
     const int32_t * tokens;
     const float   * embd;
     int32_t         embd_width;
+    int32_t         verify;
 } meshnet_entry;
 
 /* Caller-owned output buffers. A stage before the tail fills residual with one row of
  * seam_width floats per input row, in entry order. The tail fills token[e] with entry e's
- * next token and, when logits is not NULL, logits[e * n_vocab ...] with entry e's
- * last-row logits (before any sampler). */
+ * next token and, when logits is not NULL, logits[e * n_vocab ...] with the logits it came
+ * from (before any sampler). For a verify entry, n_accepted[e] is how many of its drafts
+ * were kept, drawn[row] the tail's draw after each of its rows up to the first refused
+ * draft (rows in entry order, as residual's), and token[e] the draw after the last row
+ * kept; drawn and n_accepted may be NULL in a call without verify entries. */
 typedef struct {
     float   * residual;
     float   * logits;
     int32_t * token;
+    int32_t * drawn;
+    int32_t * n_accepted;
 } meshnet_output;
 
 /* How the tail picks a session's next token: llama.cpp's sampler chain, in llama.cpp's
@@ -202,6 +216,20 @@ MESHNET_API meshnet_status meshnet_session_release (meshnet_stage * stage, uint6
  * pass from position 0 only leaves the session empty, as a transformer's would be). */
 MESHNET_API meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_id, int32_t n_keep);
 MESHNET_API meshnet_status meshnet_session_length  (meshnet_stage * stage, uint64_t session_id, int32_t * n_tokens);
+/* A session's memory on this stage (its layers' KV cells, and any recurrent state), as
+ * bytes to give back to meshnet_session_restore of this stage, or of another opened with
+ * the same model, layer range and parameters: a prefix store keeps ended sessions this way.
+ * *n_out is the byte count written, or needed when the call returns
+ * MESHNET_ERR_BUFFER_TOO_SMALL (buf may then be NULL). */
+MESHNET_API meshnet_status meshnet_session_save    (meshnet_stage * stage, uint64_t session_id,
+                                    void * buf, size_t capacity, size_t * n_out);
+/* An open session that holds no tokens takes the memory meshnet_session_save gave, of
+ * n_tokens positions: it goes on from there as the saved session would have. Bytes whose
+ * layers, widths or length do not fit this stage are refused, the session left empty
+ * (llama.cpp cannot tell two ranges of one shape apart: the bytes are the caller's to keep
+ * with the stage they came from). */
+MESHNET_API meshnet_status meshnet_session_restore (meshnet_stage * stage, uint64_t session_id,
+                                    const void * buf, size_t size, int32_t n_tokens);
 /* The tail samples the session's tokens from now on (NULL: the most likely token again).
  * history holds the session's tokens so far (the prompt, and any tokens generated before
  * a replay); each sampled token is added to it. A forward call whose rows end before the

@@ -442,7 +442,29 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
                 format("entry %d: position %d does not follow session %llu, which holds %d tokens",
                        index, e.pos, (unsigned long long) e.session_id, slot->n_tokens));
     }
-    if (slot->sampled && (int64_t) e.pos + e.n_tokens > (int64_t) slot->history.size()) {
+    if (e.verify && info.is_tail) {
+        if (llama_model_is_recurrent(stage->model) || llama_model_is_hybrid(stage->model)) {
+            return stage->fail(MESHNET_ERR_CANNOT_ROLL_BACK,
+                    format("entry %d: this model's recurrent state cannot drop the drafted rows it would not keep, "
+                           "so its sessions decode without drafts", index));
+        }
+        if (!e.tokens) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                    format("entry %d: verifying drafts needs their token ids beside the rows", index));
+        }
+        for (int32_t i = 0; i < e.n_tokens; ++i) {
+            if (e.tokens[i] < 0 || e.tokens[i] >= info.n_vocab) {
+                return stage->fail(MESHNET_ERR_BAD_TOKEN,
+                        format("entry %d: drafted token id %d is outside the vocabulary [0, %d)", index, e.tokens[i], info.n_vocab));
+            }
+        }
+        if (slot->sampled && (int64_t) slot->history.size() != (int64_t) e.pos + 1) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                    format("entry %d: drafts after position %d, but session %llu's sampler knows %zu tokens: the "
+                           "rows start at its last drawn token", index, e.pos, (unsigned long long) e.session_id,
+                           slot->history.size()));
+        }
+    } else if (slot->sampled && (int64_t) e.pos + e.n_tokens > (int64_t) slot->history.size()) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 format("entry %d: rows up to position %d, but session %llu's sampler knows its tokens only up to %zu: "
                        "give it the tokens so far (meshnet_session_sampling)", index, e.pos + e.n_tokens - 1,
@@ -549,6 +571,9 @@ meshnet_status check_call(meshnet_stage * stage, const meshnet_entry * entries, 
                         format("entries %d and %d name the same session %llu", j, i, (unsigned long long) entries[i].session_id));
             }
         }
+        if (entries[i].verify && info.is_tail && (!out->drawn || !out->n_accepted)) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "verifying drafts needs the drawn and n_accepted outputs");
+        }
         n_rows += entries[i].n_tokens;
     }
     if (n_rows > info.n_batch) {
@@ -594,11 +619,12 @@ struct forward_pass {
     meshnet_output * out;
     std::vector<int64_t> out_at;       // an entry's first residual row in the output: entry order
     std::vector<int32_t> sampled;      // joins its session's history once every call has succeeded
+    std::vector<std::vector<int32_t>> kept;   // a verify entry's draws up to its first refused draft
     std::vector<int32_t> first_row, last_row;
 
     forward_pass(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out)
         : stage(stage), entries(entries), n_entries(n_entries), out(out), out_at(n_entries),
-          sampled(n_entries, -1), first_row(n_entries), last_row(n_entries) {
+          sampled(n_entries, -1), kept(n_entries), first_row(n_entries), last_row(n_entries) {
         for (int32_t i = 0, at = 0; i < n_entries; at += entries[i].n_tokens, ++i) {
             out_at[i] = at;
         }
@@ -644,7 +670,9 @@ struct forward_pass {
                 last_row[i] = idx;
             }
             if (info.is_tail) {
-                llama_batch_ext_set_output_logits(stage->batch, last_row[i], true);
+                for (int32_t row = e.verify ? first_row[i] : last_row[i]; row <= last_row[i]; ++row) {
+                    llama_batch_ext_set_output_logits(stage->batch, row, true);
+                }
             }
         }
         return MESHNET_OK;
@@ -666,33 +694,83 @@ struct forward_pass {
                     rc, trimmed(tl_llama_errors).c_str()));
     }
 
-    // the tail: the entry's greedy token (or its sampled one) and its logits, all finite
-    meshnet_status take_logits(int32_t i) {
+    // a row's logits, all finite, and its most likely token
+    meshnet_status row_logits(int32_t i, int32_t row, const float ** logits, int32_t * best) {
         const int32_t n_vocab = stage->info.n_vocab;
-        const float * logits = llama_get_logits_ith(stage->ctx, last_row[i]);
-        if (!logits) {
+        *logits = llama_get_logits_ith(stage->ctx, row);
+        if (!*logits) {
             return fail(MESHNET_ERR_INTERNAL, "llama.cpp returned no logits");
         }
         // one pass over the vocabulary: the most likely token, and no non-finite logit
-        int32_t best = 0;
+        *best = 0;
         for (int32_t v = 0; v < n_vocab; ++v) {
-            if (!std::isfinite(logits[v])) {
+            if (!std::isfinite((*logits)[v])) {
                 return fail(MESHNET_ERR_BAD_VALUE,
                         format("entry %d: the stage computed a non-finite logit (%g for token %d); nothing was kept",
-                               i, (double) logits[v], v));
+                               i, (double) (*logits)[v], v));
             }
-            if (logits[v] > logits[best]) {
-                best = v;
+            if ((*logits)[v] > (*logits)[*best]) {
+                *best = v;
             }
+        }
+        return MESHNET_OK;
+    }
+
+    // the tail: the entry's greedy token (or its sampled one) and its logits
+    meshnet_status take_logits(int32_t i) {
+        if (entries[i].verify) {
+            return take_verified(i);
+        }
+        const float * logits = nullptr;
+        int32_t best = 0;
+        meshnet_status status = row_logits(i, last_row[i], &logits, &best);
+        if (status != MESHNET_OK) {
+            return status;
         }
         out->token[i] = best;
         if (out->logits) {
-            std::memcpy(out->logits + (size_t) i * n_vocab, logits, sizeof(float) * n_vocab);
+            std::memcpy(out->logits + (size_t) i * stage->info.n_vocab, logits, sizeof(float) * stage->info.n_vocab);
         }
-        const session_slot * slot = stage->find(entries[i].session_id);
+        session_slot * slot = stage->find(entries[i].session_id);
         const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
         if (slot->sampled && next == (int64_t) slot->history.size()) {
             sampled[i] = out->token[i] = sample(stage, *slot, logits, next);
+        }
+        return MESHNET_OK;
+    }
+
+    // the tail, drafts: the draw after each row as if the rows had come one by one (the
+    // sampler's history then holds the drafts before the row, each equal to the draw it
+    // stands for), up to the first draft that differs from the draw
+    meshnet_status take_verified(int32_t i) {
+        const meshnet_entry & e = entries[i];
+        session_slot * slot = stage->find(e.session_id);
+        const size_t history = slot->history.size();
+        std::vector<int32_t> & draws = kept[i];
+        draws.clear();
+        const float * logits = nullptr;
+        for (int32_t r = 0; r < e.n_tokens; ++r) {
+            int32_t best = 0;
+            meshnet_status status = row_logits(i, first_row[i] + r, &logits, &best);
+            if (status != MESHNET_OK) {
+                slot->history.resize(history);
+                return status;
+            }
+            const int32_t draw = slot->sampled ? sample(stage, *slot, logits, (int64_t) e.pos + r + 1) : best;
+            draws.push_back(draw);
+            out->drawn[out_at[i] + r] = draw;
+            if (r + 1 == e.n_tokens || e.tokens[r + 1] != draw) {
+                break;
+            }
+            if (slot->sampled) {
+                slot->history.push_back(draw);
+            }
+        }
+        slot->history.resize(history);   // the draws join it once every call has succeeded
+        out->token[i] = draws.back();
+        out->n_accepted[i] = (int32_t) draws.size() - 1;
+        if (out->logits) {
+            std::memcpy(out->logits + (size_t) i * stage->info.n_vocab, logits, sizeof(float) * stage->info.n_vocab);
         }
         return MESHNET_OK;
     }
@@ -736,7 +814,16 @@ struct forward_pass {
             if (sampled[i] >= 0) {
                 slot->history.push_back(sampled[i]);
             }
-            slot->n_tokens += entries[i].n_tokens;
+            int32_t n_kept = entries[i].n_tokens;
+            if (entries[i].verify && stage->info.is_tail) {
+                n_kept = (int32_t) kept[i].size();   // the last drawn token's row and the drafts kept
+                if (slot->sampled) {
+                    slot->history.insert(slot->history.end(), kept[i].begin(), kept[i].end());
+                }
+                // the refused drafts' rows leave (a transformer's KV: checked at entry)
+                llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), entries[i].pos + n_kept, -1);
+            }
+            slot->n_tokens += n_kept;
         }
     }
 };
@@ -1004,6 +1091,79 @@ meshnet_status meshnet_session_length(meshnet_stage * stage, uint64_t session_id
     }
     *n_tokens = slot->n_tokens;
     return MESHNET_OK;
+}
+
+meshnet_status meshnet_session_save(meshnet_stage * stage, uint64_t session_id, void * buf, size_t capacity, size_t * n_out) {
+    if (!stage || !n_out) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    if (slot->lost) {
+        return stage->fail(MESHNET_ERR_CANNOT_ROLL_BACK,
+                format("session %llu lost its state in a failed pass: there is nothing to save", (unsigned long long) session_id));
+    }
+    tl_llama_errors.clear();
+    try {
+        const llama_seq_id seq = stage->seq_of(slot);
+        const size_t size = llama_state_seq_get_size(stage->ctx, seq);
+        *n_out = size;
+        if (!buf || capacity < size) {
+            return stage->fail(MESHNET_ERR_BUFFER_TOO_SMALL,
+                    format("session %llu's memory is %zu bytes, the buffer %zu", (unsigned long long) session_id, size, capacity));
+        }
+        const size_t written = llama_state_seq_get_data(stage->ctx, static_cast<uint8_t *>(buf), capacity, seq);
+        if (written != size) {
+            return stage->fail(MESHNET_ERR_INTERNAL,
+                    format("llama.cpp wrote %zu of session %llu's %zu bytes: %s", written, (unsigned long long) session_id,
+                           size, trimmed(tl_llama_errors).c_str()));
+        }
+        *n_out = written;
+        return MESHNET_OK;
+    } catch (const std::exception & e) {
+        return stage->fail(MESHNET_ERR_INTERNAL, format("saving session %llu failed: %s", (unsigned long long) session_id, e.what()));
+    }
+}
+
+meshnet_status meshnet_session_restore(meshnet_stage * stage, uint64_t session_id, const void * buf, size_t size, int32_t n_tokens) {
+    if (!stage || !buf || size == 0) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    session_slot * slot = stage->find(session_id);
+    if (!slot) {
+        return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
+    }
+    if (slot->n_tokens != 0 || slot->lost) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("session %llu holds %d tokens: only an empty session takes saved memory",
+                       (unsigned long long) session_id, slot->n_tokens));
+    }
+    if (n_tokens < 1 || n_tokens > stage->info.n_ctx) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("saved memory of %d tokens for a context of %d", n_tokens, stage->info.n_ctx));
+    }
+    llama_memory_t mem = llama_get_memory(stage->ctx);
+    const llama_seq_id seq = stage->seq_of(slot);
+    tl_llama_errors.clear();
+    try {
+        const size_t read = llama_state_seq_set_data(stage->ctx, static_cast<const uint8_t *>(buf), size, seq);
+        const llama_pos held = llama_memory_seq_pos_max(mem, seq) + 1;
+        if (read != size || held != n_tokens) {
+            llama_memory_seq_rm(mem, seq, -1, -1);
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                    format("the saved memory does not fit session %llu: llama.cpp read %zu of %zu bytes, holding %d "
+                           "positions where %d were named (another model, layer range or context?) %s",
+                           (unsigned long long) session_id, read, size, (int) held, n_tokens,
+                           trimmed(tl_llama_errors).c_str()));
+        }
+        slot->n_tokens = n_tokens;
+        return MESHNET_OK;
+    } catch (const std::exception & e) {
+        llama_memory_seq_rm(mem, seq, -1, -1);
+        return stage->fail(MESHNET_ERR_INTERNAL, format("restoring session %llu failed: %s", (unsigned long long) session_id, e.what()));
+    }
 }
 
 meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries, meshnet_output * out) {

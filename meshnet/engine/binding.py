@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -167,10 +167,13 @@ class Entry:
     pos: int
     tokens: np.ndarray | None = None
     residual: np.ndarray | None = None
+    # the tail: the rows are the last drawn token and drafts (their ids in tokens, beside
+    # the residual past the head): keep those that match its own draws (meshnet_entry.verify)
+    verify: bool = False
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tokens) if self.tokens is not None else len(self.residual)
+        return len(self.residual) if self.residual is not None else len(self.tokens)
 
 
 @dataclass
@@ -182,6 +185,15 @@ class Output:
     residual: np.ndarray | None = None
     token: np.ndarray | None = None
     logits: np.ndarray | None = None
+    drawn: np.ndarray | None = None        # verify entries: the draw after each row (rows in entry order)
+    n_accepted: np.ndarray | None = None   # ... and the drafts each kept
+
+    def draws(self, entries: Sequence[Entry], e: int) -> list[int]:
+        """Entry E's tokens from this call: its next token, or a verify entry's draws kept."""
+        if not entries[e].verify:
+            return [int(self.token[e])]
+        first = sum(entry.n_tokens for entry in entries[:e])
+        return self.drawn[first:first + int(self.n_accepted[e]) + 1].tolist()
 
 
 class Stage:
@@ -309,6 +321,21 @@ class Stage:
         self._check(self._lib.meshnet_session_length(self._live(), session_id, n))
         return n[0]
 
+    def save_session(self, session_id: int) -> bytes:
+        """The session's memory on this stage, for restore_session."""
+        stage, n = self._live(), _ffi.new("size_t *")
+        status = self._lib.meshnet_session_save(stage, session_id, _ffi.NULL, 0, n)
+        if STATUS_CODES.get(status) != errors.BUFFER_TOO_SMALL:   # n holds the size needed
+            self._check(status)
+        buf = bytearray(n[0])
+        self._check(self._lib.meshnet_session_save(stage, session_id, _ffi.from_buffer(buf), len(buf), n))
+        return bytes(memoryview(buf)[: n[0]])
+
+    def restore_session(self, session_id: int, memory: bytes, n_tokens: int) -> None:
+        """An empty open session takes memory saved from one of N_TOKENS tokens."""
+        self._check(self._lib.meshnet_session_restore(self._live(), session_id, _ffi.from_buffer(memory),
+                                                      len(memory), n_tokens))
+
     def set_sampling(self, session_id: int, sampling: Sampling | None, history: Sequence[int] = ()) -> None:
         """The tail samples the session's tokens with these parameters from now on (None or
         greedy: the most likely token); history is the session's tokens so far."""
@@ -333,6 +360,7 @@ class Stage:
         for raw_entry, entry in zip(raw, entries):
             raw_entry.session_id = entry.session_id
             raw_entry.pos = entry.pos
+            raw_entry.verify = entry.verify
             if entry.tokens is not None:
                 tokens = np.ascontiguousarray(entry.tokens, dtype=np.int32).reshape(-1)
                 keep.append(tokens)
@@ -356,6 +384,11 @@ class Stage:
             if want_logits:
                 out.logits = np.empty((max(n_entries, 1), self.n_vocab), dtype=np.float32)
                 raw_out.logits = _ffi.from_buffer("float[]", out.logits)
+            if any(entry.verify for entry in entries):
+                out.drawn = np.full(max(n_rows, 1), -1, dtype=np.int32)
+                out.n_accepted = np.zeros(max(n_entries, 1), dtype=np.int32)
+                raw_out.drawn = _ffi.from_buffer("int32_t[]", out.drawn)
+                raw_out.n_accepted = _ffi.from_buffer("int32_t[]", out.n_accepted)
         else:
             out.residual = np.empty((max(n_rows, 1), self.seam_width), dtype=np.float32)
             raw_out.residual = _ffi.from_buffer("float[]", out.residual)

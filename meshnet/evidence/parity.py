@@ -4,7 +4,8 @@ logits bit for bit?
 The check an architecture passes before the support table lists it as splitting
 (engine_c/architectures.tsv; tests/engine/test_architectures.py): a prompt fed in uneven
 chunks, then greedy steps, through the whole model and through each split, every
-logit compared; two sessions batched together; the prompt fed token by token. Pure
+logit compared; two sessions batched together; the prompt fed token by token; a
+session gone on from another's saved memory, cut back (prefix reuse). Pure
 engine, no sockets: each stage is a meshnet.engine.binding.Stage of this process.
 """
 
@@ -15,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from meshnet.core import errors
+from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import Entry
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
@@ -103,6 +106,36 @@ def generate_batched(pipeline: LocalPipeline, prompts: Sequence[np.ndarray], ste
     return runs
 
 
+def generate_restored(pipeline: LocalPipeline, tokens: np.ndarray, keep: int, steps: int) -> Run | None:
+    """TOKENS through one session whose memory each stage saves; a second session restores
+    it, cut back to KEEP tokens, and goes on from there: the rest of the prompt, then STEPS
+    greedy tokens (what prefix reuse across sessions does). None where the memory cannot be
+    cut back (a recurrent state): the prefix store keeps none of those."""
+    pipeline.open_session(1)
+    try:
+        _last_logits(pipeline, [(1, 0, tokens)])
+        saved = [stage.save_session(1) for stage in pipeline.stages]
+    finally:
+        pipeline.release_session(1)
+    pipeline.open_session(2)
+    try:
+        for stage, memory in zip(pipeline.stages, saved):
+            stage.restore_session(2, memory, len(tokens))
+            try:
+                stage.truncate_session(2, keep)
+            except MeshnetError as e:
+                if e.code == errors.CANNOT_ROLL_BACK:
+                    return None
+                raise
+        run = Run(logits=[_last_logits(pipeline, [(2, keep, tokens[keep:])])[0]])
+        for pos in range(len(tokens), len(tokens) + steps):
+            run.tokens.append(int(np.argmax(run.logits[-1])))
+            run.logits.append(_last_logits(pipeline, [(2, pos, [run.tokens[-1]])])[0])
+        return run
+    finally:
+        pipeline.release_session(2)
+
+
 def max_diff(a: Run, b: Run, tail: int | None = None) -> float:
     """The largest |logit difference| over the rows both runs have (their last TAIL rows
     when their prompts were cut differently); inf when their tokens part."""
@@ -150,4 +183,8 @@ def check(path: str, n_threads: int = 2, steps: int = GREEDY_STEPS) -> Report:
             batched = generate_batched(pipeline, [tokens, others], steps)
             report.results[name + ": 2 sessions batched"] = max(max_diff(one_chunk, batched[0]),
                                                                max_diff(other, batched[1]))
+            if len(ranges) == 2:   # prefix reuse: the memory of another session, cut back and gone on from
+                restored = generate_restored(pipeline, tokens, CHUNKS[2], steps)
+                if restored is not None:
+                    report.results[name + ": restored prefix"] = max_diff(one_chunk, restored, tail=steps + 1)
     return report
