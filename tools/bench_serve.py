@@ -23,9 +23,9 @@ TOPICS = ["the sea", "a cat", "winter", "bread", "trains", "the moon", "music", 
           "mountains", "coffee", "a library", "bees", "the desert", "a bridge"]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra=()) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "meshnet.cli.main", "serve", "--port", "0", "--stages", str(args.stages),
-               "--max-sessions", str(max(args.clients, 1)), "--ctx", "1024"]
+               "--max-sessions", str(max(args.clients, 1)), "--ctx", "1024", *extra]
     if args.model:
         command += ["--model", args.model]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

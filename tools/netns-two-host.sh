@@ -16,6 +16,9 @@
 #               asserts each link's mechanism. Unset: the workers run with --insecure.
 #   PORT        the coordinator's port (default 5555: the namespaces are private).
 #   ROUNDS      timed runs of each prompt, whole model and route in turns (default 3).
+#   SPECULATE   ngram or ngram:K: the route also decodes with drafts (meshnet run --speculate),
+#               checked to give the same tokens, and timed in turns beside the route
+#               without them and the whole model, on repetitive prompts as well.
 #   PYTHON      the interpreter with meshnet (default: the active or the project's venv).
 # Exit status: 0 every check held, 1 one did not (or a process failed), 2 a bad DELAY,
 # 77 no namespaces can be made here (not root, no `ip`, no /dev/net/tun for DELAY):
@@ -188,7 +191,7 @@ start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tc
 # the checker's output is ours; the workers reconnect until its coordinator listens
 ${tie[@]+"${tie[@]}"} ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" \
     --model "$model_path" --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" \
-    --rounds "${ROUNDS:-3}" \
+    --rounds "${ROUNDS:-3}" ${SPECULATE:+--speculate "$SPECULATE"} \
     ${check_keys[@]+"${check_keys[@]}"} &
 checker=$!
 pids+=("$checker")

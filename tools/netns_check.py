@@ -7,6 +7,8 @@ whole it checks, against the whole model run in this one process:
              (and the largest |logit difference| is reported);
   isolation  the prompts run as concurrent sessions give exactly what each gave alone;
   the wire   the ICMP round trip to the other namespace is at least twice --delay-us;
+  drafts     with --speculate, each prompt's tokens through the route drafting are the
+             route's without drafts (and the whole model's);
 
 prints the route's decode tokens/s and hop latency next to the whole model's (timed
 runs of their own, the two in turns), and one JSON object on the last line. Exit status
@@ -32,7 +34,8 @@ from meshnet.core.metrics import paired_ratio
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
-from meshnet.evidence.prompts import SHORT
+from meshnet.core.drafts import parse_speculate
+from meshnet.evidence.prompts import REPETITIVE, SHORT
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
@@ -112,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keys", default=None, help="a directory from `meshnet keys generate`: coordinator.key_secret "
                                                      "and the workers' public keys under allowed/ (CURVE on every link)")
     parser.add_argument("--wait", type=float, default=60, help="seconds to wait for the route")
+    parser.add_argument("--speculate", type=speculate_arg, default=0, metavar="ngram[:K]|off",
+                        help="also decode drafting up to K tokens a round, timed beside the rest")
     args = parser.parse_args(argv)
 
     report: dict = {"ok": False}
@@ -126,6 +131,13 @@ def main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
+def speculate_arg(text: str) -> int:
+    try:
+        return parse_speculate(text)
+    except MeshnetError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
+
+
 def _pushes_curve(stats: list[dict]) -> tuple[bool, int]:
     """Every push a stage opened for the sessions so far (to the next stage, the
     coordinator, the head) ran CURVE; and how many there were."""
@@ -134,18 +146,38 @@ def _pushes_curve(stats: list[dict]) -> tuple[bool, int]:
 
 
 def decode_side_by_side(pipe: LocalPipeline, coordinator: Coordinator, prompts: list, n_tokens: int,
-                        rounds: int) -> dict[str, list[float]]:
-    """Decode tokens/s of the whole model here and of the route, each prompt run on one and
-    then the other, ROUNDS times: a slow spell of the machine falls on both. No logits
-    travel (the parity runs carry them; a user's session does not)."""
-    coordinator.generate(prompts[0][:16], 4, stop_at_eog=False).result(120)   # first-touch allocations
-    speeds: dict[str, list[float]] = {"whole": [], "route": []}
+                        rounds: int, speculate: int = 0) -> dict[str, list[float]]:
+    """Decode tokens/s of the whole model here and of the route (and, with SPECULATE, of
+    the route drafting), each prompt run on one and then the next, ROUNDS times: a slow
+    spell of the machine falls on all. No logits travel (the parity runs carry them; a
+    user's session does not)."""
+    coordinator.generate(prompts[0][:16], 4, stop_at_eog=False, speculate=0).result(120)   # first-touch allocations
+    speeds: dict[str, list[float]] = {"whole": [], "route": [], **({"drafting": []} if speculate else {})}
     for _ in range(rounds):
         for tokens in prompts:
             speeds["whole"].append(pipe.generate(tokens, n_tokens, stop_at_eog=False).metrics["decode_tok_s"])
-            speeds["route"].append(coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(120)
-                                   .metrics["decode_tok_s"])
+            for name, drafts in (("route", 0), ("drafting", speculate)):
+                if name in speeds:
+                    speeds[name].append(coordinator.generate(tokens, n_tokens, stop_at_eog=False, speculate=drafts)
+                                        .result(120).metrics["decode_tok_s"])
     return speeds
+
+
+def report_speeds(speeds: dict[str, list[float]], what: str, report: dict, key: str, threads: int, n: str) -> None:
+    whole = statistics.median(speeds["whole"])
+    figures = {name: {"decode_tok_s": statistics.median(v), "over_whole": statistics.median(v) / whole,
+                      "over_whole_paired": paired_ratio(v, speeds["whole"])}
+               for name, v in speeds.items() if name != "whole"}
+    if "drafting" in speeds:
+        figures["drafting"]["over_route"] = statistics.median(speeds["drafting"]) / statistics.median(speeds["route"])
+        figures["drafting"]["over_route_paired"] = paired_ratio(speeds["drafting"], speeds["route"])
+    report[key] = dict(whole_decode_tok_s=whole, **figures)
+    for name, f in figures.items():
+        extra = (f", {f['over_route']:.3f} of the route without drafts (side by side: {f['over_route_paired']:.3f})"
+                 if "over_route" in f else "")
+        say(f"decode    {what}: {'route drafting' if name == 'drafting' else 'route'} {f['decode_tok_s']:.1f} tok/s, "
+            f"whole model in one process {whole:.1f} tok/s: {f['over_whole']:.3f} (median of the runs side by side: "
+            f"{f['over_whole_paired']:.3f}){extra}; one session, {threads} thread(s) per stage, {n}, no logits")
 
 
 def check(args, report: dict) -> bool:
@@ -190,7 +222,13 @@ def check(args, report: dict) -> bool:
             for prompt in PROMPTS:
                 tokens = pipe.head.tokenize(prompt)
                 whole[prompt] = (tokens, pipe.generate(tokens, args.tokens, keep_logits=True, stop_at_eog=False))
-            speeds = decode_side_by_side(pipe, coordinator, [whole[p][0] for p in PROMPTS], args.tokens, args.rounds)
+            speeds = decode_side_by_side(pipe, coordinator, [whole[p][0] for p in PROMPTS], args.tokens, args.rounds,
+                                         args.speculate)
+            repetitive = [pipe.head.tokenize(p) for p in REPETITIVE]
+            repetitive_speeds = decode_side_by_side(pipe, coordinator, repetitive, args.tokens, args.rounds,
+                                                    args.speculate) if args.speculate else None
+            wanted = {tuple(t): pipe.generate(t, args.tokens, stop_at_eog=False).tokens for t in repetitive} \
+                if args.speculate else {}
 
         alone = {}
         for prompt in PROMPTS:
@@ -202,6 +240,19 @@ def check(args, report: dict) -> bool:
         report["max_logit_diff"] = diff
         say(f"parity    {len(PROMPTS)} prompts x {args.tokens} greedy tokens through the route "
             f"{'equal' if parity else 'DIFFER from'} the whole model's in one process; max |logit diff| {diff:g}")
+
+        drafts_ok = True
+        if args.speculate:   # the same tokens drafting as without, on every prompt
+            drafted = {tuple(t): coordinator.generate(list(t), args.tokens, stop_at_eog=False, speculate=args.speculate)
+                       .result(120) for t in [*wanted, *(tuple(whole[p][0]) for p in PROMPTS)]}
+            want = dict(wanted, **{tuple(whole[p][0]): whole[p][1].tokens for p in PROMPTS})
+            drafts_ok = all(drafted[t].tokens == want[t] for t in want)
+            kept = [d.metrics["speculation"] for d in drafted.values()]
+            report["drafts"] = {"identical": drafts_ok, "drafted": sum(k["drafted"] for k in kept),
+                                "accepted": sum(k["accepted"] for k in kept), "rounds": sum(k["rounds"] for k in kept)}
+            say(f"drafts    {len(want)} prompts x {args.tokens} greedy tokens through the route drafting (up to "
+                f"{args.speculate} a round) {'equal' if drafts_ok else 'DIFFER from'} the whole model's; "
+                f"{report['drafts']['accepted']} of {report['drafts']['drafted']} drafts kept")
 
         sessions = [coordinator.generate(whole[p][0], args.tokens, stop_at_eog=False) for p in PROMPTS]
         together = [s.result(120) for s in sessions]
@@ -216,6 +267,12 @@ def check(args, report: dict) -> bool:
             report["curve"] = report["curve"] and pushes_ok
             say(f"curve     every push the sessions opened ({n_pushes}) runs CURVE: {pushes_ok}")
 
+        if repetitive_speeds is not None:
+            report_speeds(repetitive_speeds, "repetitive prompts", report, "repetitive", args.threads,
+                          f"{len(REPETITIVE)} prompts x {args.rounds} rounds")
+            if "drafting" in speeds:
+                report_speeds(speeds, "prose prompts", report, "prose", args.threads,
+                              f"{len(PROMPTS)} prompts x {args.rounds} rounds")
         route_decode, whole_decode = statistics.median(speeds["route"]), statistics.median(speeds["whole"])
         paired = paired_ratio(speeds["route"], speeds["whole"])
         # one session's hops, as its decode rate is one session's: medians over the prompts
@@ -232,7 +289,7 @@ def check(args, report: dict) -> bool:
             if s.get("hop_us_p50") is not None:
                 say(f"hop       into {s['stage']}, every crossing (concurrent sessions included): "
                     f"p50 {s['hop_us_p50']:.0f} us, p99 {s['hop_us_p99']:.0f} us")
-        return parity and isolation and rtt_ok and (keys is None or report["curve"])
+        return parity and isolation and rtt_ok and drafts_ok and (keys is None or report["curve"])
 
 
 if __name__ == "__main__":

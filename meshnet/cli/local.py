@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from meshnet.cli.options import (DEFAULT_PROMPT, fail, figure, local_keys_option, numerics_option, resume_options,
-                                sampling_of_flags, sampling_options, usage_error)
+from meshnet.cli.options import (DEFAULT_PROMPT, fail, figure, local_keys_option, numerics_option, prefix_cache_option,
+                                resume_options, sampling_of_flags, sampling_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
@@ -35,8 +35,10 @@ from meshnet.engine import models
 @numerics_option
 @sampling_options
 @resume_options
+@prefix_cache_option
+@speculate_option
 def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure, numerics,
-        resume_wait, max_resumes, **sampling_flags):
+        resume_wait, max_resumes, prefix_cache_mib, speculate, **sampling_flags):
     """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
     from meshnet.core.conversation import answer_sampling
     from meshnet.core.layers import ranges_from_seams
@@ -45,6 +47,8 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
 
     if stages is not None and split is not None:
         raise click.UsageError("give --stages or --split, not both")
+    if in_process and speculate:
+        raise click.UsageError("--speculate drafts through worker processes: leave out --in-process")
     if chat_message is not None and click.get_current_context().get_parameter_source("prompt").name == "COMMANDLINE":
         raise click.UsageError("give --prompt (raw text to continue) or --chat (a message to answer), not both")
     sampling = answer_sampling(*sampling_of_flags(sampling_flags))
@@ -69,7 +73,8 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
             tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
                                                                  secure, chat_message=chat_message, sampling=sampling,
                                                                  resume_wait=resume_wait, max_resumes=max_resumes,
-                                                                 numerics=numerics)
+                                                                 numerics=numerics, prefix_cache_mib=prefix_cache_mib,
+                                                                 speculate=speculate)
     except MeshnetError as e:
         fail(e)
 
@@ -116,12 +121,13 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, ch
 
 
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
-                    sampling=None, resume_wait=0.0, max_resumes=2, numerics=None):
+                    sampling=None, resume_wait=0.0, max_resumes=2, numerics=None, prefix_cache_mib=None, speculate=0):
     from meshnet.core.conversation import prompt_tokens as chat_tokens
     from meshnet.launch.local_cluster import LocalCluster
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
-                      resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics) as cluster:
+                      resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics,
+                      prefix_cache_mib=prefix_cache_mib, speculate=speculate) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -162,7 +168,10 @@ class TextStreamer:
 @local_keys_option
 @numerics_option
 @sampling_options
-def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, **sampling_flags):
+@prefix_cache_option
+@speculate_option
+def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, prefix_cache_mib, speculate,
+         **sampling_flags):
     """Talk with the model split into stages (worker processes on this machine), through its own chat template.
 
     Ctrl-C stops an answer, Ctrl-D quits."""
@@ -180,7 +189,7 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, **
         path, _ = models.resolve(model)
         ranges = read_layout(path).balanced_ranges(stages or 2)
         with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
-                          numerics=numerics) as cluster:
+                          numerics=numerics, prefix_cache_mib=prefix_cache_mib, speculate=speculate) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "

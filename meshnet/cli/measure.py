@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from meshnet.cli.options import fail, numerics_option, parse_nodes, parse_size, usage_error
+from meshnet.cli.options import fail, numerics_option, parse_nodes, parse_size, speculate_option, usage_error
 from meshnet.core import defaults
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
@@ -113,8 +113,12 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
 @click.option("--trace", "trace_dir", default=None,
               help="record the workers' per-token spans: a table of where a decode token's time goes, and the "
                    "spans and a picture of them (timeline.json, timeline.svg) in this directory")
+@click.option("--prompts", "prompt_set", type=click.Choice(["prose", "repetitive"]), default="prose", show_default=True,
+              help="the prompts decoded: prose, or text that repeats what came before it (code, lists, refrains)")
+@speculate_option
 @click.option("--json", "as_json", is_flag=True)
-def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, trace_dir, as_json):
+def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, trace_dir, prompt_set,
+          speculate, as_json):
     """Whole model vs N stages in one process vs N worker processes, side by side."""
     from meshnet.core.numerics import CHOICES, CLASSES
     from meshnet.evidence.bench import CONFIGS, format_report, run_bench
@@ -133,7 +137,8 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, nu
             if trace_dir is not None:
                 out = os.path.join(trace_dir, os.path.basename(name)) if "," in model_names else trace_dir
                 os.makedirs(out, exist_ok=True)
-            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes, out)
+            report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes, out,
+                               speculate=speculate, prompts=prompt_set)
             reports.append(report)
             if not as_json:
                 click.echo(format_report(report))

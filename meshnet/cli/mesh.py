@@ -10,7 +10,8 @@ import sys
 import click
 
 from meshnet.cli.local import TextStreamer
-from meshnet.cli.options import fail, numerics_option, parse_size, refuse_open_without_keys, resume_options, usage_error
+from meshnet.cli.options import (fail, numerics_option, parse_size, prefix_cache_option, refuse_open_without_keys,
+                                 resume_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
@@ -52,8 +53,10 @@ from meshnet.engine import models
               help="after each input, poll for the next one this long before sleeping: the next decode step is taken "
                    "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
                    "most half the CPUs, so no stage beside it computes where it spins; else 0]")
+@prefix_cache_option
 def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace, spin_ms):
+           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace, spin_ms,
+           prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.stage.config import WorkerConfig, given
@@ -75,7 +78,7 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
         config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
-                              spin_ms=spin_ms,
+                              spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib,
                               keys=security.load_secret(secret_file) if secret_file else None,
                               coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
@@ -108,8 +111,9 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
 @click.option("--insecure", is_flag=True, help="serve a non-loopback --bind without keys: anyone who can reach it may "
                                                  "register as a worker")
 @resume_options
+@speculate_option
 def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
-                allow_path, insecure, resume_wait, max_resumes):
+                allow_path, insecure, resume_wait, max_resumes, speculate):
     """Track stage workers and route sessions through them.
 
     Without --prompt it serves until Ctrl-C, printing each change of the route."""
@@ -136,7 +140,8 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
         keys = security.load_secret(secret_file) if secret_file else None
         allowed = security.load_allowed(allow_path) if allow_path else None
         config = CoordinatorConfig(bind, data_bind=data_bind, allow_mixed=allow_mixed, keys=keys,
-                                   allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes)
+                                   allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes,
+                                   speculate=speculate)
         coord = Coordinator(config, drift_meter=DriftMeter(reference_path) if reference_path else None)
     except MeshnetError as e:
         fail(e)

@@ -88,6 +88,32 @@ def numerics_option(command=None, *, baseline: bool = False):
     return decorate(command) if command is not None else decorate
 
 
+def prefix_cache_option(command):
+    """--prefix-cache: the memory each stage keeps of ended sessions, so that a session
+    starting as one of them did (a chat's next turn, a shared system prompt) computes only
+    the rest of its prompt."""
+    from meshnet.core import defaults
+
+    return click.option("--prefix-cache", "prefix_cache_mib", type=click.IntRange(min=0),
+                        default=defaults.PREFIX_CACHE_MIB, show_default=True, metavar="MIB",
+                        help="MiB per stage for the KV of ended sessions, least recently used out first; a new "
+                             "session that shares their prompt's start restores it instead of computing it, with "
+                             "the same tokens (the invariant class, models without recurrent state); 0: off")(command)
+
+
+def speculate_option(command):
+    """--speculate: drafted tokens the route verifies in one pass, the same tokens as without."""
+    from meshnet.core.drafts import parse_speculate
+
+    return click.option("--speculate", default="off", show_default=True, callback=usage_error(parse_speculate),
+                        metavar="ngram[:K]|off",
+                        help="speculative decoding: the head drafts up to K tokens a round (8 for ngram) from what "
+                             "followed the session's last tokens earlier in it, and the route keeps those it would "
+                             "have drawn itself, so the tokens are the same as without (invariant class, models "
+                             "without recurrent state); repetitive text decodes in fewer trips round the "
+                             "stages")(command)
+
+
 def resume_options(command):
     """A session that loses a stage is replayed on a new route: at once when one stands
     ready (a spare), or when one forms within --resume-wait seconds."""

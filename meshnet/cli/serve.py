@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from meshnet.cli.options import fail, numerics_option, refuse_open_without_keys, resume_options
+from meshnet.cli.options import (fail, numerics_option, prefix_cache_option, refuse_open_without_keys, resume_options,
+                                 speculate_option)
 from meshnet.core import defaults
 from meshnet.core.errors import MeshnetError
 
@@ -33,15 +34,19 @@ from meshnet.core.errors import MeshnetError
 
 @numerics_option
 @resume_options
+@prefix_cache_option
+@speculate_option
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
-          numerics, resume_wait, max_resumes):
+          numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
     from meshnet.serve.launch import serve as run_server
 
     local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions,
-             "--numerics": numerics}
+             "--numerics": numerics,
+             "--prefix-cache": prefix_cache_mib if click.get_current_context().get_parameter_source(
+                 "prefix_cache_mib").name == "COMMANDLINE" else None}
     if bind is not None and any(v is not None for v in local.values()):
         raise click.UsageError(f"{next(k for k, v in local.items() if v is not None)} is for local workers: with "
                                "--coordinator, give it to each meshnet worker")
@@ -57,9 +62,10 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
     try:
         options = {"keys": security.load_secret(secret_file),
                    "allowed_workers": security.load_allowed(allow_path)} if secret_file else {}
-        options.update(resume_wait=resume_wait, max_resumes=max_resumes)
+        options.update(resume_wait=resume_wait, max_resumes=max_resumes, speculate=speculate)
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
-                   secure=not insecure, numerics=numerics, echo=lambda line: click.echo(line, err=True))
+                   secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib,
+                   echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

@@ -6,3 +6,4 @@ N_CTX = 2048           # context tokens per session (llama.cpp's usual server de
 N_BATCH = 512          # tokens per forward pass, llama.cpp's n_batch default
 MAX_SESSIONS = 8       # sessions a worker holds at once (its KV is sized for all of them)
 LIBRARY_SESSIONS = 4   # a Stage or LocalCluster opened from code, as tests and tools open many
+PREFIX_CACHE_MIB = 256  # per stage: ended sessions' memory kept for the next that start the same way (0: off)

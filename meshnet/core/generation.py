@@ -3,7 +3,7 @@ pipelining rule, decode steps, the stop rule and the timings of one session.
 
 A driver feeds it events and carries out the actions it returns:
 
-    opened()                          -> [FeedHead(first prompt chunk)]
+    opened(cached)                    -> [FeedHead(first prompt chunk after the cached prefix)]
     head_took(pos, n)                 -> [FeedHead(next chunk)] while the prompt lasts
     tail_gave(pos, n, token, is_eog)  -> a prompt chunk before the last: [FeedHead(next
                                          chunk)] when that makes room, else [];
@@ -109,6 +109,7 @@ class Generation:
     chunk_ends: list[int] | None = None
     n_prompt: int | None = None       # the caller's prompt; a replay's prompt also holds the tokens so far
     replayed: int = 0                 # tokens generated before a replay, fed again
+    cached: int = 0                   # prompt tokens the stages restored from a stored prefix, not fed
 
     def __post_init__(self):
         if not self.prompt:
@@ -124,13 +125,22 @@ class Generation:
     def done(self) -> bool:
         return self.state == "done"
 
-    def opened(self) -> list[Action]:
+    def opened(self, cached: int = 0) -> list[Action]:
+        """Every stage has the session open, each holding the prompt's first CACHED tokens
+        (a prefix stored from an earlier session): the prompt is fed from there."""
         self._expect("opening")
+        if not 0 <= cached < len(self.prompt):
+            raise MeshnetError(E.INTERNAL, f"{cached} cached tokens of a prompt of {len(self.prompt)}: the last "
+                               "prompt token is always fed")
         self.state = "prefill"
         if self.t_start is None:
             self.t_start = self.clock()
         if self.chunk_ends is None:   # the chunk is the route's to bound until now
-            self.chunk_ends = even_chunk_ends(len(self.prompt), self.chunk)
+            self.chunk_ends = [cached + end for end in even_chunk_ends(len(self.prompt) - cached, self.chunk)]
+        else:
+            self.chunk_ends = [end for end in self.chunk_ends if end > cached]
+        self.cached = cached
+        self.prompt_fed = self.head_done = self.tail_done = cached
         return [self._next_chunk()]
 
     def bound_chunks(self, n_batch: int, fixed: bool = False) -> None:
@@ -203,7 +213,8 @@ class Generation:
         t_end = self.t_end if self.t_end is not None else self.clock()
         t_start = self.t_start if self.t_start is not None else t_end
         return generation_metrics(ranges, self.n_prompt, len(self.tokens), t_start,
-                                  self.t_first if self.t_first is not None else t_end, t_end, seam_bytes)
+                                  self.t_first if self.t_first is not None else t_end, t_end, seam_bytes,
+                                  cached=self.cached)
 
     # internals
 

@@ -23,19 +23,29 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 def generation_metrics(ranges, n_prompt: int, n_generated: int, t_start: float, t_first: float, t_end: float,
-                       seam_bytes: int) -> dict:
+                       seam_bytes: int, cached: int = 0) -> dict:
     """One session's numbers, the same for the in-process pipeline and the coordinator:
-    the first token comes from the prefill, every later one from a decode step."""
+    the first token comes from the prefill, every later one from a decode step. The
+    prefill's rate counts the prompt tokens computed, not the CACHED ones restored."""
     n_decode = n_generated - 1
     return {
         "stages": [list(r) for r in ranges],
         "prompt_tokens": n_prompt,
+        "cached_tokens": cached,
         "generated_tokens": n_generated,
         "ttft_ms": (t_first - t_start) * 1e3,
-        "prefill_tok_s": n_prompt / max(t_first - t_start, 1e-9),
+        "prefill_tok_s": (n_prompt - cached) / max(t_first - t_start, 1e-9),
         "decode_tok_s": n_decode / (t_end - t_first) if n_decode > 0 else None,
         "seam_bytes": seam_bytes,
     }
+
+
+def speculation_metrics(counts: dict, n_generated: int) -> dict:
+    """A speculating session's rounds: the share of drafts the route kept, and the tokens
+    each decode round gave (1.0 without drafts; the first token is the prefill's)."""
+    rounds, drafted = counts["rounds"], counts["drafted"]
+    return {**counts, "acceptance_rate": counts["accepted"] / drafted if drafted else None,
+            "tokens_per_round": (n_generated - 1) / rounds if rounds else None}
 
 
 def percentiles(values: Iterable[float], points=(50, 99)) -> dict:
@@ -100,6 +110,28 @@ def prometheus_text(snapshot: dict) -> str:
     metric("resumes_total", "counter", "sessions replayed on a new route after a stage was lost",
            [({}, resumes.get("count"))])
     metric("replayed_tokens_total", "counter", "tokens fed again to replay sessions", [({}, resumes.get("replayed_tokens"))])
+    metric("prefix_cache_hits_total", "counter", "sessions that started from a prefix every stage of the route held",
+           [({}, counters.get("prefix_hits"))])
+    metric("prefix_cache_misses_total", "counter", "sessions that found no stored prefix on some stage of the route",
+           [({}, counters.get("prefix_misses"))])
+    metric("prefix_cache_hit_tokens_total", "counter", "prompt tokens restored instead of computed",
+           [({}, counters.get("prefix_hit_tokens"))])
+    caches = [(s, s.get("prefix_cache")) for s in stages if s.get("prefix_cache")]
+    for name, kind, help_text, key in (
+            ("stage_prefix_cache_bytes", "gauge", "bytes of ended sessions' memory the stage keeps", "bytes"),
+            ("stage_prefix_cache_entries", "gauge", "ended sessions the stage keeps", "entries"),
+            ("stage_prefix_cache_hits_total", "counter", "sessions the stage started from a stored prefix", "hits"),
+            ("stage_prefix_cache_misses_total", "counter", "sessions that found no prefix the stage stored", "misses"),
+            ("stage_prefix_cache_evictions_total", "counter", "stored sessions dropped for room, oldest use first",
+             "evictions")):
+        metric(name, kind, help_text, [({"stage": s["stage"], "worker": s["worker"]}, cache.get(key))
+                                       for s, cache in caches])
+    metric("speculation_rounds_total", "counter", "decode rounds of speculating sessions",
+           [({}, counters.get("speculation_rounds"))])
+    metric("speculation_drafted_total", "counter", "drafted tokens the route verified",
+           [({}, counters.get("speculation_drafted"))])
+    metric("speculation_accepted_total", "counter", "drafted tokens the route kept (its own draws)",
+           [({}, counters.get("speculation_accepted"))])
     metric("resume_ms", "gauge", "from a stage's loss to the session's next token",
            [({"quantile": "0.5"}, resumes.get("ms_p50")), ({"quantile": "0.99"}, resumes.get("ms_p99"))])
     return "\n".join(lines) + "\n"

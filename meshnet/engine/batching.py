@@ -1,7 +1,7 @@
 """Which waiting inputs a stage runs together, and running them so that a failing
 entry fails alone. Used by the worker's stage loop and the in-process pipeline alike.
 
-The rule: every waiting decode step (one row) of distinct sessions, up to the stage's
+The rule: every waiting decode step (one row, or a round of drafts) of distinct sessions, up to the stage's
 limits, plus at most one prompt chunk, the one that has waited longest. So a long
 prompt delays other sessions' decode by one chunk at most, and concurrent decode steps
 share one forward call (the engine gives each entry exactly what it gives alone).
@@ -31,9 +31,15 @@ class Step:
     residual: np.ndarray | None = None
     want_logits: bool = False
     meta: Any = None               # the driver's own (headers, timestamps, flags)
+    verify: bool = False           # the last drawn token and drafts (their ids in tokens): a decode step of n rows
 
     def entry(self) -> Entry:
-        return Entry(self.sid, self.pos, tokens=self.tokens, residual=self.residual)
+        return Entry(self.sid, self.pos, tokens=self.tokens, residual=self.residual, verify=self.verify)
+
+    @property
+    def is_chunk(self) -> bool:
+        """A prompt chunk, as opposed to a decode step (one row, or a round of drafts)."""
+        return self.n > 1 and not self.verify
 
 
 @dataclass
@@ -43,6 +49,7 @@ class StepResult:
     token: int | None = None               # the tail: the greedy next token
     logits: np.ndarray | None = None       # the tail, when the step asked
     error: MeshnetError | None = None
+    draws: list[int] | None = None         # the tail, a verify step: its draws kept (token is the last)
 
 
 def take_batch(waiting: collections.deque, max_entries: int, max_rows: int) -> list[Step]:
@@ -55,7 +62,7 @@ def take_batch(waiting: collections.deque, max_entries: int, max_rows: int) -> l
     kept = collections.deque()
     while waiting:
         step = waiting.popleft()
-        is_chunk = step.n > 1
+        is_chunk = step.is_chunk
         if (step.sid in held or len(batch) >= max_entries or rows + step.n > max_rows
                 or (is_chunk and has_chunk)):
             held.add(step.sid)
@@ -73,8 +80,9 @@ def run_batch(stage: Stage, steps: Sequence[Step]) -> list[StepResult]:
     """One forward call for the steps; if it fails and there were several, each runs
     alone so that only the failing one fails (the engine keeps nothing of a failed call)."""
     want_logits = any(s.want_logits for s in steps)
+    entries = [s.entry() for s in steps]
     try:
-        out = stage.forward([s.entry() for s in steps], want_logits=want_logits)
+        out = stage.forward(entries, want_logits=want_logits)
     except MeshnetError as e:
         if len(steps) == 1 or e.code == E.ABORTED:
             return [StepResult(s, error=e) for s in steps]
@@ -83,7 +91,8 @@ def run_batch(stage: Stage, steps: Sequence[Step]) -> list[StepResult]:
     for i, step in enumerate(steps):
         if stage.is_tail:
             logits = out.logits[i] if step.want_logits else None
-            results.append(StepResult(step, token=int(out.token[i]), logits=logits))
+            results.append(StepResult(step, token=int(out.token[i]), logits=logits,
+                                      draws=out.draws(entries, i) if step.verify else None))
         else:
             results.append(StepResult(step, residual=out.residual[at : at + step.n]))
             at += step.n

@@ -22,7 +22,7 @@ from meshnet.core.metrics import paired_ratio, rss_bytes
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline, Request
-from meshnet.evidence.prompts import PROSE
+from meshnet.evidence.prompts import PROMPT_SETS
 from meshnet.launch.local_cluster import LocalCluster
 
 # workers: local worker processes as meshnet run starts them, with fresh CURVE keys;
@@ -44,8 +44,15 @@ class Samples:
     decode_seam_bytes_per_token: list[float] = field(default_factory=list)   # per seam
     decode_crossings_per_token: list[float] = field(default_factory=list)    # per seam
     rss_bytes: list[int] = field(default_factory=list)   # per process, at the end
+    tokens_per_round: list[float] = field(default_factory=list)   # speculating: decode tokens per trip round the ring
+    acceptance_rate: list[float] = field(default_factory=list)
 
     def add(self, metrics: dict) -> None:
+        spec = metrics.get("speculation")
+        if spec and spec.get("tokens_per_round") is not None:
+            self.tokens_per_round.append(spec["tokens_per_round"])
+            if spec.get("acceptance_rate") is not None:
+                self.acceptance_rate.append(spec["acceptance_rate"])
         self.prefill_tok_s.append(metrics["prefill_tok_s"])
         self.decode_tok_s.append(metrics["decode_tok_s"])
         self.ttft_ms.append(metrics["ttft_ms"])
@@ -78,12 +85,15 @@ def summary(values: list[float]) -> dict | None:
 
 def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int, configs=CONFIGS,
               sessions: int = 1, numerics: Sequence[str] = (numerics_classes.DEFAULT,),
-              trace_dir: str | None = None) -> dict:
+              trace_dir: str | None = None, speculate: int = 0, prompts: str = "prose") -> dict:
     """NUMERICS: the classes to measure; every configuration runs in the first, and each
     other class (baseline: the kernels before the classes) adds a worker configuration
     of its own, "workers-<class>", measured side by side with the rest. TRACE_DIR: the
     workers configuration records its per-token spans (core/trace.py); their table is
-    the report's "timeline", and TRACE_DIR gets the spans and a picture of them."""
+    the report's "timeline", and TRACE_DIR gets the spans and a picture of them.
+    SPECULATE: also "workers-ngram", the workers drafting up to that many tokens a round.
+    The workers keep no prefix store: every run computes its prompt, as in one process."""
+    texts = PROMPT_SETS[prompts]
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = layout.balanced_ranges(n_stages)
@@ -111,11 +121,14 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
         worker_configs = [(label, secure, what, first_class) for label, secure, what in (
             ("workers", True, "worker processes"), ("plain", False, "workers, no keys")) if label in configs]
         worker_configs += [(f"workers-{c}", True, f"workers, {c}", c) for c in other_classes]
+        if speculate:
+            worker_configs.append(("workers-ngram", True, f"workers, ngram:{speculate}", first_class))
         for label, secure, what, numerics_class in worker_configs:
             traced = trace_dir if label == "workers" else None
             cluster = clusters[label] = LocalCluster(path, ranges, threads=threads, n_ctx=1024,
                                                      max_sessions=max(sessions, 1), secure=secure,
-                                                     numerics=numerics_class, trace_dir=traced).start()
+                                                     numerics=numerics_class, trace_dir=traced, prefix_cache_mib=0,
+                                                     speculate=speculate if label == "workers-ngram" else 0).start()
             closers.append(cluster.close)
             runners[label] = lambda tokens, c=cluster.coordinator: c.generate(tokens, n_decode + 1,
                                                                               stop_at_eog=False).result().metrics
@@ -124,7 +137,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             samples[label] = Samples(f"{n_stages} {what}")
         tokenizer = whole.head if "whole" in configs else staged.head if "stages" in configs else None
         prompt_tokens = [tokenizer.tokenize(p) if tokenizer else next(iter(clusters.values())).coordinator.tokenize(p)
-                         for p in PROSE]
+                         for p in texts]
         batch = [prompt_tokens[i % len(prompt_tokens)] for i in range(sessions)]
         for label, run in runners.items():  # warm-up: first-touch allocations and caches
             run(prompt_tokens[0][:16])
@@ -149,7 +162,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             close()   # a traced worker writes its spans as it stops
 
     settings = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
-                "prompts": len(PROSE), "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
+                "prompts": len(texts), "prompt_set": prompts, "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
                 "n_embd": layout.n_embd, "numerics": list(numerics)}
     report = bench_report(settings, samples, first_class)
     if coordinator_spans is not None:
@@ -179,7 +192,8 @@ def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str
     for label, s in samples.items():
         entry = {"label": s.label, "rss_bytes": s.rss_bytes}
         for key in ("prefill_tok_s", "decode_tok_s", "aggregate_decode_tok_s", "ttft_ms", "hop_us_p50", "hop_us_p99",
-                    "seam_bytes_per_token", "decode_seam_bytes_per_token", "decode_crossings_per_token"):
+                    "seam_bytes_per_token", "decode_seam_bytes_per_token", "decode_crossings_per_token",
+                    "tokens_per_round", "acceptance_rate"):
             entry[key] = summary(getattr(s, key))
         if base is not None:
             for key in ("prefill_tok_s", "decode_tok_s"):
@@ -197,6 +211,12 @@ def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str
         if "workers" in samples and "plain" in samples and getattr(samples["plain"], key):
             report[f"keys_over_plain_{key}"] = (statistics.median(getattr(samples["workers"], key))
                                                 / statistics.median(getattr(samples["plain"], key)))
+    report["cost_model"] = cost_model(samples, len(settings["stages"]))
+    if "workers-ngram" in samples and "workers" in samples:
+        ngram, plain = samples["workers-ngram"], samples["workers"]
+        report["ngram_over_workers_decode_tok_s"] = (statistics.median(ngram.decode_tok_s)
+                                                     / statistics.median(plain.decode_tok_s))
+        report["ngram_over_workers_paired_decode_tok_s"] = paired_ratio(ngram.decode_tok_s, plain.decode_tok_s)
     # each class against each other, worker processes both (first_class's are "workers")
     by_class = {c: samples.get("workers" if c == first_class else f"workers-{c}") for c in numerics}
     report["numerics_ratios"] = {
@@ -204,6 +224,30 @@ def bench_report(settings: dict, samples: dict[str, "Samples"], first_class: str
                      for key in ("prefill_tok_s", "decode_tok_s")}
         for a in numerics for b in numerics if a != b and by_class[a] and by_class[b]}
     return report
+
+
+def cost_model(samples: dict[str, "Samples"], n_stages: int) -> dict:
+    """Each worker configuration's decode, per trip round the ring: what a round took
+    (the time per token times the tokens a round gave) against what it is made of, the
+    whole model's compute for a token plus one one-way hop for each of the ring's links.
+    A ring of S stages crosses S links a round (S - 1 seams and the tail's step back to
+    the head), one way each: not a round trip per seam. The seams' hops are measured; the
+    link back to the head is taken to cost what a seam's does."""
+    whole = samples.get("whole")
+    compute_us = 1e6 / statistics.median(whole.decode_tok_s) if whole and whole.decode_tok_s else None
+    out = {}
+    for label, s in samples.items():
+        if label in ("whole", "stages") or not s.decode_tok_s:
+            continue
+        per_round = statistics.median(s.tokens_per_round) if s.tokens_per_round else 1.0
+        token_us = 1e6 / statistics.median(s.decode_tok_s)
+        hop_us = statistics.median(s.hop_us_p50) if s.hop_us_p50 else None
+        entry = {"tokens_per_round": per_round, "token_us": token_us, "round_us": token_us * per_round,
+                 "links": n_stages, "hop_us": hop_us, "compute_us": compute_us}
+        if compute_us is not None and hop_us is not None:
+            entry["model_round_us"] = compute_us + n_stages * hop_us   # one token's rows: a round without drafts
+        out[label] = entry
+    return out
 
 
 def format_report(report: dict) -> str:
@@ -245,11 +289,22 @@ def format_report(report: dict) -> str:
         if b == numerics_classes.BASELINE or (a, b) == (numerics_classes.INVARIANT, numerics_classes.STOCK):
             lines.append(f"workers, numerics {a} / {b}: prefill {ratio['prefill_tok_s']:.3f}, "
                          f"decode {ratio['decode_tok_s']:.3f}")
+    ngram = report["configs"].get("workers-ngram")
+    if ngram and "ngram_over_workers_decode_tok_s" in report:
+        rounds, accepted = ngram["tokens_per_round"], ngram["acceptance_rate"]
+        lines.append(f"workers drafting n-grams / workers, decode: {report['ngram_over_workers_decode_tok_s']:.3f} "
+                     f"(median of the runs side by side: {report['ngram_over_workers_paired_decode_tok_s']:.3f}); "
+                     f"tokens per round {cell(rounds, '{:.2f}')}, drafts kept {cell(accepted, '{:.2f}')}")
     workers = report["configs"].get("workers")
     if workers and workers["decode_seam_bytes_per_token"]:
         lines.append(f"decode: {workers['decode_seam_bytes_per_token']['median']:.0f} B per token per seam "
                      f"(4 x n_embd = {4 * report['n_embd']}), "
                      f"{workers['decode_crossings_per_token']['median']:.2f} crossings per token per seam")
+    for label, c in report.get("cost_model", {}).items():
+        model = (f"; a round of one token should take the whole model's {c['compute_us']:.0f} + {c['links']} links x "
+                 f"{c['hop_us']:.0f} us = {c['model_round_us']:.0f} us" if "model_round_us" in c else "")
+        lines.append(f"per ring round, {report['configs'][label]['label']}: {c['round_us']:.0f} us for "
+                     f"{c['tokens_per_round']:.2f} tokens ({c['token_us']:.0f} us a token){model}")
     if shared:
         lines.append("* one process runs every in-process configuration: its RSS covers all of them together")
     if report.get("timeline"):

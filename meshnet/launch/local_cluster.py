@@ -131,6 +131,7 @@ class LocalCluster:
         gpu_stages: Sequence[int] = (),
         numerics: str | None = None,
         trace_dir: str | None = None,
+        prefix_cache_mib: int | None = None,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -139,7 +140,7 @@ class LocalCluster:
         self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
         self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, numerics=self.numerics,
                                    **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
-                                           heartbeat_liveness=heartbeat_liveness))
+                                           heartbeat_liveness=heartbeat_liveness, prefix_cache_mib=prefix_cache_mib))
         if heartbeat_interval is not None:
             coordinator_options["heartbeat_interval"] = heartbeat_interval
         if heartbeat_liveness is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.prefix import MAX_BLOCKS
 from meshnet.core.sampling import Sampling
 
 # what a capability may claim: far above any real model (the largest have under 200
@@ -51,6 +52,10 @@ def positive(v):
 
 def tokens(v):
     return all(is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
+
+
+def block_keys(v):
+    return len(v) <= MAX_BLOCKS and all(is_int(k) and 0 <= k <= U64_MAX for k in v)
 
 
 def layer_range(v):

@@ -25,12 +25,16 @@ import numpy as np
 
 from meshnet.core import errors as E
 from meshnet.net.capability import Capability
-from meshnet.net.fields import (BOOL, DICT, INT, LIST, STR, ProtocolError, checked, curve_key, endpoint, is_int,
-                                layer_range, nonneg, positive, sampling, seams, tokens, u64)
+from meshnet.core.drafts import MAX_DRAFTS
+from meshnet.net.fields import (BOOL, DICT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked, curve_key,
+                                endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens, u64)
 
-VERSION = 6   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 7   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
-              # 5: the stage's numerics class in READY; 6: each layer's memory in the cost
+              # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
+              # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
+              #    the session's block keys in RELEASE); speculation (drafts per round in OPEN and
+              #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN)
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -105,16 +109,22 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "prev_key": (STR, False, curve_key),      # ... and the previous stage's, which may push to this one
         "sampling": (DICT, False, sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...
         "history": (LIST, False, tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
+        "prefix": (LIST, False, block_keys),      # the prompt's block keys (core/prefix.py): start from a stored prefix
+        "speculate": (INT, False, at_most(MAX_DRAFTS)),   # drafts per round at most (core/drafts.py); the head
+                                                  # drafts from the history it is given (the prompt)
     },
     CANCEL: {"sid": (INT, True, u64)},
-    RELEASE: {"sid": (INT, True, u64)},
+    RELEASE: {"sid": (INT, True, u64),
+              "keep": (LIST, False, block_keys)},        # the session's block keys: store its memory under them
     SHUTDOWN: {},
     ASSIGN: {"layers": (LIST, True, layer_range)},
     TOKENIZE: {"add_special": (BOOL, False, None), "parse_special": (BOOL, False, None),
                "limit": (INT, False, positive)},          # more tokens than this: context_full, none sent back
     DETOKENIZE: {},
     TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
-    OK: {"sid": (INT, False, u64), "info": (DICT, False, None)},
+    OK: {"sid": (INT, False, u64), "info": (DICT, False, None),
+         "cached": (INT, False, nonneg),                   # OPEN's: the prompt tokens this stage restored
+         "speculate": (INT, False, nonneg)},               # ... and the drafts per round it takes (0: none)
     ERROR: {
         "code": (STR, True, None),
         "message": (STR, True, None),
@@ -129,6 +139,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "n": (INT, True, positive),
         "tokens": (LIST, False, tokens),          # the head's input; other stages get n x n_embd f32 rows
         "ack": (BOOL, False, None),                # a prompt chunk: the head answers TOOK when it has taken it
+        "verify": (BOOL, False, None),             # the last drawn token and drafts (their ids in tokens): the tail
+                                                   # keeps the drafts up to the first it would not have drawn
         "ts": (INT, False, u64),                  # the sender's monotonic clock at sending, ns
         "seams": (LIST, False, seams),            # [seam, hop_us, bytes] for each seam this step crossed
     },
@@ -150,6 +162,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "piece": ((bytes,), False, None),          # the token's text, for streaming
         "logits_n": (INT, False, positive),       # with a payload of that many f32
         "seams": (LIST, False, seams),            # as in ACT: since the tail's last TOKEN of this session
+        "drafted": (INT, False, nonneg),          # a speculating session's decode round: its drafts ...
+        "accepted": (INT, False, nonneg),         # ... and those kept (this token and the next ones follow)
     },
 }
 
@@ -299,7 +313,8 @@ def residual_from(msg: Message, width: int) -> np.ndarray:
     """The residual rows of an ACT, checked: n rows of WIDTH (the stage's seam_width: n_embd,
     or more where state beside the residual crosses) little-endian f32, exactly."""
     n = msg["n"]
-    if msg.payload is None or msg.get("tokens") is not None:
+    # a verify step's rows carry their token ids beside them: the tail checks its drafts
+    if msg.payload is None or (msg.get("tokens") is not None and not msg.get("verify")):
         raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: this stage takes {n} residual rows as a payload frame, "
                             "not token ids", msg.rid, msg.get("sid"))
     size = len(msg.payload)

@@ -36,6 +36,9 @@ class CoordinatorConfig:
     # the CPU of the per-token handling (the loop thread and ZeroMQ's I/O thread), None for
     # any: a local route gives it the tail's, which is idle while the head computes
     cpu: int | None = None
+    # speculative decoding: the head drafts up to this many tokens a round from the session's
+    # own tokens (core/drafts.py) and the route keeps those it would have drawn; 0: off
+    speculate: int = 0
 
     def __post_init__(self):
         addresses.checked(self.bind, "--bind")

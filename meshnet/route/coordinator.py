@@ -67,6 +67,7 @@ class SessionHandle:
         self.text = b""
         self.metrics: dict = {}
         self.stop_reason: str | None = None
+        self.cached_tokens = 0               # prompt tokens the route restored from stored prefixes, not computed
         self._done = False
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -79,6 +80,7 @@ class SessionHandle:
             except queue.Empty:
                 raise MeshnetError(E.TIMEOUT, f"session {self.sid} gave no result in time", session=self.sid) from None
             if isinstance(event, TokenEvent):
+                self.cached_tokens = event.cached
                 self.tokens.append(event.token)
                 self.text += event.piece
                 if event.logits is not None:
@@ -190,15 +192,16 @@ class Coordinator:
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
                  stop_at_eog: bool = True, prefill_chunk: int | None = None,
-                 sampling: Sampling | None = None) -> SessionHandle:
+                 sampling: Sampling | None = None, speculate: int | None = None) -> SessionHandle:
         """A new session: its tokens come from the tail, the most likely ones or, with
-        sampling, llama.cpp's sampler chain's (seeded: the same on any route)."""
+        sampling, llama.cpp's sampler chain's (seeded: the same on any route). SPECULATE:
+        drafts per round at most for this session (None: the coordinator's --speculate)."""
         gen = Generation(list(prompt_tokens), StopRule(max_tokens, stop_at_eog), prefill_chunk or self.config.prefill_chunk,
                          tail_feeds_head=True)   # checks the request before anything starts
         sampling = None if sampling is None or sampling.greedy else sampling
         sid = next(self._sids)
         events = SessionEvents()
-        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling))
+        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling, speculate))
         return SessionHandle(self, sid, events, list(prompt_tokens))
 
     def cancel(self, sid: int) -> None:

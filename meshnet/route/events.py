@@ -19,6 +19,7 @@ class TokenEvent:
     token: int
     piece: bytes
     logits: np.ndarray | None
+    cached: int = 0              # the prompt tokens restored from a stored prefix (known from the first token)
 
 
 @dataclass

@@ -52,7 +52,7 @@ class IOLoop:
                                   request_timeout=config.request_timeout,
                                   suspect_window=config.heartbeat_interval * config.heartbeat_liveness,
                                   resume_wait=config.resume_wait, max_resumes=config.max_resumes,
-                                  counters=self.counters)
+                                  speculate=config.speculate, counters=self.counters)
         self.callers: dict[int, queue.Queue] = {}
         self.timeline = Timeline("coordinator") if config.trace else None
         self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -330,7 +330,8 @@ class IOLoop:
                 self._guarded("a stage's refusal to open", self.table.request_failed, pending.sid, worker,
                               msg["code"], msg["message"], sid=pending.sid)
             else:
-                self._guarded("a stage's open", self.table.opened, pending.sid, sid=pending.sid)
+                self._guarded("a stage's open", self.table.opened, pending.sid, msg.get("cached", 0),
+                              msg.get("speculate", 0) if pending.stage == 0 else None, sid=pending.sid)
 
     def _expire(self, pending: Pending) -> None:
         worker = self.registry.get(pending.worker)

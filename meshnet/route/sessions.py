@@ -29,7 +29,8 @@ from meshnet.core import errors as E
 from meshnet.core import numerics
 from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import FeedHead, Finish, Generation, Token
-from meshnet.core.metrics import percentiles
+from meshnet.core.metrics import percentiles, speculation_metrics
+from meshnet.core.prefix import BLOCK, block_keys, reusable_keys
 from meshnet.core.sampling import Sampling
 from meshnet.net import protocol as P
 from meshnet.net.heartbeat import now
@@ -69,6 +70,11 @@ class Session:
     lost: tuple[MeshnetError, float] | None = None     # the stage lost (LOST): the error, since when
     resume_by: float = 0.0        # ... and until when it may wait
     resumes: list[dict] = field(default_factory=list)  # each resume: stage, replayed_tokens, elapsed_ms
+    salt: str = ""                # what the block keys of its tokens are salted with: the route's class
+    prefix: list[int] = field(default_factory=list)    # the block keys its route may start it from
+    cached: int = 0               # ... the prompt tokens every stage of it restored
+    drafts: int = 0               # drafts per round it asks for (0: none)
+    speculation: dict | None = None   # speculating: drafts_max, rounds, drafted, accepted (the tail's counts)
 
     def label(self, stage: int) -> str:
         return self.route[stage].offer.label
@@ -77,7 +83,7 @@ class Session:
 class SessionTable:
     def __init__(self, route_for: Callable[[str | None], list[WorkerRecord]], *, reply_endpoint: str,
                  request_timeout: float, suspect_window: float, resume_wait: float = 0.0, max_resumes: int = 2,
-                 clock: Callable[[], float] = now, counters: collections.Counter | None = None):
+                 speculate: int = 0, clock: Callable[[], float] = now, counters: collections.Counter | None = None):
         # route_for(numerics_class) is the route to open a session on, or MeshnetError
         # saying why there is none (the registry's, or a test's plain function)
         self.route_for = route_for
@@ -86,6 +92,7 @@ class SessionTable:
         self.suspect_window = suspect_window   # a heartbeat liveness window: a lost stage shows within it
         self.resume_wait = resume_wait
         self.max_resumes = max_resumes
+        self.speculate = speculate             # drafts per round at most, where a route can verify them exactly
         self.clock = clock
         self.counters = counters if counters is not None else collections.Counter()
         self.resume_ms: collections.deque[float] = collections.deque(maxlen=1000)
@@ -98,7 +105,9 @@ class SessionTable:
 
     # ---- events ------------------------------------------------------------------------
 
-    def open(self, sid: int, gen: Generation, want_logits: bool, sampling: Sampling | None = None) -> list[Effect]:
+    def open(self, sid: int, gen: Generation, want_logits: bool, sampling: Sampling | None = None,
+             speculate: int | None = None) -> list[Effect]:
+        """SPECULATE: drafts per round at most (None: the table's)."""
         try:
             route = self.route_for(None)
         except MeshnetError as e:
@@ -112,18 +121,26 @@ class SessionTable:
         # (whatever prefill chunk was asked): its kernels change with the rows in a call,
         # so other chunks would give other tokens
         gen.bound_chunks(min(w.capability.n_batch for w in route), fixed=numerics_class == numerics.STOCK)
-        session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class)
+        session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class,
+                                               drafts=self.speculate if speculate is None else speculate)
         self._open_route(session, route)
         return self._effects()
 
-    def opened(self, sid: int) -> list[Effect]:
-        """A stage confirmed the session is open."""
+    def opened(self, sid: int, cached: int = 0, drafts: int | None = None) -> list[Effect]:
+        """A stage confirmed the session is open, holding the prompt's first CACHED tokens
+        (from its prefix store): the route starts from the shortest such prefix. The head
+        says how many DRAFTS a round it offers (0: none, its model cannot drop rows)."""
         session = self._live(sid)
         if session is not None and session.state is State.OPENING:
             session.opens_waiting -= 1
+            if drafts is not None and session.speculation is not None:
+                session.speculation["drafts_max"] = drafts
+            session.cached = min(session.cached, cached, len(session.prefix) * BLOCK)
             if session.opens_waiting == 0:
                 session.state = State.RUNNING
-                self._act(session, session.gen.opened())
+                self.counters["prefix_hits" if session.cached else "prefix_misses"] += bool(session.prefix)
+                self.counters["prefix_hit_tokens"] += session.cached
+                self._act(session, session.gen.opened(session.cached))
         return self._effects()
 
     def request_failed(self, sid: int, worker: WorkerRecord, code: str, message: str) -> list[Effect]:
@@ -162,6 +179,11 @@ class SessionTable:
             return []
         session.deadline = self.clock() + self.request_timeout
         self._count_seams(session, msg.get("seams", ()))
+        if "drafted" in msg.fields and session.speculation is not None:   # a decode round's first token
+            counts = {"rounds": 1, "drafted": msg["drafted"], "accepted": min(msg.get("accepted", 0), msg["drafted"])}
+            for name, n in counts.items():
+                session.speculation[name] += n
+                self.counters[f"speculation_{name}"] += n
         logits = None
         if session.want_logits and msg.payload is not None:
             logits = np.frombuffer(msg.payload, dtype="<f4").copy()
@@ -288,6 +310,17 @@ class SessionTable:
         session.want_logits = session.want_logits or session.mixed   # a mixed route's every step is compared with the whole model
         last = len(route) - 1
         gather = head_gathers([w.capability for w in route])
+        # prefix reuse is exact only where a row's KV is the same however the prompt was
+        # cut into calls: the invariant class
+        reuse = session.numerics == numerics.INVARIANT
+        session.salt = str(compat_class_of(route[0].capability)) if reuse else ""
+        session.prefix = reusable_keys(gen.prompt, session.salt) if reuse else []
+        session.cached = len(gen.prompt)
+        # speculation is exact where a row's logits do not depend on the rows beside it;
+        # a session that ships every token's logits decodes a token at a time
+        speculate = session.drafts if reuse and not session.want_logits else 0
+        if speculate and session.speculation is None:
+            session.speculation = {"drafts_max": speculate, "rounds": 0, "drafted": 0, "accepted": 0}
         for i, worker in enumerate(route):
             self._on_worker[worker.identity].add(sid)
             self._out.append(Request(worker, RequestKind.OPEN, sid, i, dict(
@@ -301,7 +334,9 @@ class SessionTable:
                 next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
                 # the tail samples, knowing the tokens so far (its penalties look back on them)
                 sampling=session.sampling.to_wire() if i == last and session.sampling else None,
-                history=list(gen.prompt) if i == last and session.sampling else None)))
+                # the head drafts from the session's tokens: the prompt, then those it is fed
+                history=list(gen.prompt) if (i == last and session.sampling) or (i == 0 and speculate) else None,
+                prefix=session.prefix or None, speculate=speculate or None)))
 
     def _set_route(self, session: Session, route: list[WorkerRecord]) -> None:
         session.route = route
@@ -322,10 +357,15 @@ class SessionTable:
                     elapsed_ms = (self.clock() - session.resumes[-1].pop("lost_at")) * 1000
                     session.resumes[-1]["elapsed_ms"] = round(elapsed_ms, 1)
                     self.resume_ms.append(elapsed_ms)
-                self._out.append(Emit(session.sid, TokenEvent(action.token, piece, logits)))
+                self._out.append(Emit(session.sid, TokenEvent(action.token, piece, logits, session.gen.cached)))
             elif isinstance(action, Finish) and action.reason != "error":
                 self.counters["sessions_completed"] += 1
-                self._end(session, None, RequestKind.RELEASE)
+                # the stages keep what it computed for a session that starts the same way: the
+                # rows of every token but the last, which was drawn and never fed (a stage may
+                # hold more, the refused drafts of a last round: the keys do not name them)
+                fed = list(session.gen.prompt) + session.gen.tokens[session.gen.replayed:][:-1]
+                keep = block_keys(fed, session.salt) if session.salt else None
+                self._end(session, None, RequestKind.RELEASE, keep=keep)
                 self._out.append(Emit(session.sid, Done(action.reason, self._metrics(session),
                                                         list(session.gen.token_times))))
 
@@ -417,19 +457,23 @@ class SessionTable:
             "decode_seam_bytes_per_token": session.decode_seam_bytes / per_seam_step if per_seam_step else None,
             "decode_crossings_per_token": session.decode_crossings / per_seam_step if per_seam_step else None,
             "numerics": session.numerics,
+            **({"speculation": speculation_metrics(session.speculation, len(session.gen.tokens))}
+               if session.speculation is not None else {}),
             **({"mixed_route": True, "route_classes": [str(compat_class_of(w.capability)) for w in session.route]}
                if session.mixed else {}),
             **({"resumed": [{k: v for k, v in r.items() if k != "lost_at"} for r in session.resumes]}
                if session.resumes else {}),
         }
 
-    def _end(self, session: Session, skip_stage: int | None, kind: RequestKind) -> None:
+    def _end(self, session: Session, skip_stage: int | None, kind: RequestKind, keep: list[int] | None = None) -> None:
         session.state = State.ENDED
         self.sessions.pop(session.sid, None)
-        self._leave_route(session, skip_stage, kind)
+        self._leave_route(session, skip_stage, kind, keep)
 
-    def _leave_route(self, session: Session, skip_stage: int | None, kind: RequestKind) -> None:
-        """Tell the session's stages (but skip_stage) to drop it; forget what it asked them."""
+    def _leave_route(self, session: Session, skip_stage: int | None, kind: RequestKind,
+                     keep: list[int] | None = None) -> None:
+        """Tell the session's stages (but skip_stage) to drop it, or to keep its memory
+        under KEEP's block keys; forget what it asked them."""
         self._out.append(Leave(session.sid))
         for i, worker in enumerate(session.route):
             held = self._on_worker.get(worker.identity)
@@ -438,7 +482,8 @@ class SessionTable:
                 if not held:
                     del self._on_worker[worker.identity]
             if i != skip_stage:
-                self._out.append(Request(worker, kind, session.sid, i, {"sid": session.sid}))
+                self._out.append(Request(worker, kind, session.sid, i,
+                                         {"sid": session.sid, **({"keep": keep} if keep else {})}))
 
     def _fail(self, session: Session, error: MeshnetError, skip_stage: int | None = None, cancel: bool = False) -> None:
         if session.state is State.ENDED:

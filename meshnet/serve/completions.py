@@ -281,8 +281,11 @@ class Completions:
 
 
 def _usage(tokens: list[int], answer: Answer) -> dict:
+    handle = answer.session.handle
     return {"prompt_tokens": len(tokens), "completion_tokens": answer.n_tokens,
-            "total_tokens": len(tokens) + answer.n_tokens}
+            "total_tokens": len(tokens) + answer.n_tokens,
+            # as OpenAI reports its prompt caching: of prompt_tokens, those not computed again
+            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens if handle is not None else 0}}
 
 
 async def _events(request: Request, answer: Answer, head: dict, chat: bool, tokens: list[int], include_usage: bool):

@@ -31,7 +31,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
-          max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None, echo=print) -> None:
+          max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
+          prefix_cache_mib: int | None = None, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -61,12 +62,13 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
             path, _ = models.resolve(model)
             ranges = read_layout(path).balanced_ranges(stages)
             # the workers ignore the terminal's Ctrl-C: they are closed after the server
-            resume = {k: v for k, v in (coordinator_options or {}).items() if k in ("resume_wait", "max_resumes")}
+            resume = {k: v for k, v in (coordinator_options or {}).items()
+                      if k in ("resume_wait", "max_resumes", "speculate")}
             if numerics == "stock" and max_sessions > 1:
                 echo("meshnet serve: numerics stock: one request alone gets stock llama.cpp's tokens; requests "
                      "batched together may get others (--numerics invariant holds them under any batching)")
             with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
-                              numerics=numerics, **resume) as cluster:
+                              numerics=numerics, prefix_cache_mib=prefix_cache_mib, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:

@@ -54,6 +54,7 @@ class WorkerConfig:
     numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
     trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
     spin_ms: float | None = None           # polling for the next input before sleeping; None: spin_ms_for
+    prefix_cache_mib: int = defaults.PREFIX_CACHE_MIB   # the prefix store's cap (stage/prefix_store.py); 0: none
 
     def spin_ms_on(self, n_cpus: int) -> float:
         """The polling this worker does for its next input, on N_CPUS CPUs."""
@@ -73,6 +74,8 @@ class WorkerConfig:
                 "--ctx", str(self.n_ctx), "--max-sessions", str(self.max_sessions)]
         optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics, "--trace": self.trace,
                     "--spin-ms": self.spin_ms,
+                    "--prefix-cache": self.prefix_cache_mib if self.prefix_cache_mib != defaults.PREFIX_CACHE_MIB
+                    else None,
                     "--max-queue": self.max_queue if self.max_queue != MAX_QUEUE else None,
                     "--data-bind": self.data_bind if self.data_bind != DATA_BIND else None,
                     "--heartbeat-interval": self.heartbeat_interval if self.heartbeat_interval != HEARTBEAT_INTERVAL

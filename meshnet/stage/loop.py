@@ -20,9 +20,11 @@ import time
 import zmq
 
 from meshnet.core import errors as E
+from meshnet.core.drafts import NgramProposer
 from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import StopRule, tail_step
 from meshnet.core.metrics import percentiles
+from meshnet.core.prefix import BLOCK
 from meshnet.core.sampling import Sampling
 from meshnet.core.trace import Timeline
 from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
@@ -32,6 +34,7 @@ from meshnet.net import security, sockets
 from meshnet.net.pushes import Pushes
 from meshnet.net.security import DataCurve
 from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
+from meshnet.stage.prefix_store import PrefixStore
 from meshnet.stage.session import MAX_SEAM_FIELD, Input, StageSession
 
 STATS_PERIOD = 0.05       # seconds between refreshes of the stage statistics the socket loop reads
@@ -44,7 +47,8 @@ HOPS_KEPT = 10_000
 class StageLoop(threading.Thread):
     def __init__(self, stage: Stage, ctx: zmq.Context, control_endpoint: str, data_bind: str,
                  max_queue: int, max_payload: int, test_fault: str | None = None, cpu: int | None = None,
-                 curve: DataCurve | None = None, timeline: Timeline | None = None, spin_ms: float = 0.0):
+                 curve: DataCurve | None = None, timeline: Timeline | None = None, spin_ms: float = 0.0,
+                 prefix_store: PrefixStore | None = None, rolls_back: bool = True):
         super().__init__(name="meshnet-stage", daemon=True)
         self.stage = stage
         self.info = stage.info()
@@ -56,6 +60,8 @@ class StageLoop(threading.Thread):
         self.curve = curve
         self.timeline = timeline   # the per-token spans, when tracing (core/trace.py)
         self.spin_ns = int(spin_ms * 1e6)
+        self.prefix_store = prefix_store   # ended sessions' memory, for the next ones that start the same way
+        self.rolls_back = rolls_back       # every stage of the model can drop rows: it may take drafts
         self.jobs: collections.deque[Job | None] = collections.deque()
         self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
                           JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
@@ -203,6 +209,7 @@ class StageLoop(threading.Thread):
             "mechanisms": {"data": security.mechanism(self.data),
                            "pushes": self.pushes.mechanisms(), "pushes_opened": dict(self.pushes.opened)},
             "refused_peers": self.curve.gatekeeper.refusals if self.curve else 0,
+            "prefix_cache": self.prefix_store.stats() if self.prefix_store is not None else None,
         }
         self._stats_at = now
 
@@ -232,24 +239,56 @@ class StageLoop(threading.Thread):
         history = m.get("history")
         if sampling is not None and not self.info.is_tail:
             raise MeshnetError(E.BAD_FIELD, "open: sampling is the tail's: this stage comes before it")
-        if sampling is not None and (history is None or len(history) != m["prompt_len"]):
-            raise MeshnetError(E.BAD_FIELD, f"open: sampling needs the prompt's {m['prompt_len']} tokens as history, "
-                               f"got {None if history is None else len(history)}")
+        speculate = m.get("speculate", 0) if self.rolls_back else 0
+        if (sampling is not None or (speculate and self.info.is_head)) and \
+                (history is None or len(history) != m["prompt_len"]):
+            raise MeshnetError(E.BAD_FIELD, f"open: {'sampling' if sampling is not None else 'drafting'} needs the "
+                               f"prompt's {m['prompt_len']} tokens as history, got {None if history is None else len(history)}")
         self.stage.open_session(job.sid)
         try:
-            self.stage.set_sampling(job.sid, sampling, history or ())
+            cached = self._restore_prefix(job.sid, m.get("prefix") or [])
+            self.stage.set_sampling(job.sid, sampling, history if sampling is not None else ())
         except MeshnetError:
             self.stage.release_session(job.sid)
             raise
         self.sessions[job.sid] = StageSession(
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
-            gather=m.get("gather", False))
+            gather=m.get("gather", False), restored=cached,
+            sampler=(sampling, history) if cached and sampling is not None else None, speculate=speculate)
+        if speculate and self.info.is_head:
+            self.sessions[job.sid].proposer = NgramProposer(speculate)
+            self.sessions[job.sid].proposer.extend(history)
         self.pushes.expect(m["next"], m.get("next_key", "").encode())
         self.pushes.expect(m["reply"], self.curve.coordinator_key if self.curve else b"")
         with self.lock:
             self.cancelled.discard(job.sid)  # a new session under this id starts clean
-        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
+        self._reply(job, P.encode(P.OK, job.rid, sid=job.sid, cached=cached, speculate=speculate))
+
+    def _restore_prefix(self, sid: int, keys: list[int]) -> int:
+        """Start the new session from the longest prefix of KEYS this stage stored: the
+        tokens it then holds (0: none). The route starts from the shortest of its stages'
+        (its first step's position), to which a stage that restored more cuts back."""
+        found = self.prefix_store.find(keys) if self.prefix_store is not None and keys else None
+        if found is None:
+            return 0
+        stored, n_blocks = found
+        self.stage.restore_session(sid, stored.memory, stored.n_tokens)
+        if n_blocks < len(stored.keys):
+            self.stage.truncate_session(sid, n_blocks * BLOCK)
+        return n_blocks * BLOCK
+
+    def _store_prefix(self, sid: int, keys: list[int]) -> None:
+        """Keep an ending session's memory under its block KEYS, cut to its last whole
+        block; a session that cannot be kept is only released (counted, never an error)."""
+        try:
+            n_blocks = min(len(keys), self.stage.session_length(sid) // BLOCK)
+            if n_blocks == 0 or self.prefix_store.refresh(keys[:n_blocks]):
+                return
+            self.stage.truncate_session(sid, n_blocks * BLOCK)
+            self.prefix_store.put(keys[:n_blocks], self.stage.save_session(sid))
+        except MeshnetError as e:
+            self.prefix_store.counters[f"not_stored_{e.code}"] += 1
 
     def _forget(self, sid: int) -> None:
         session = self.sessions.pop(sid, None)
@@ -265,6 +304,9 @@ class StageLoop(threading.Thread):
     def _do_release(self, job: Job) -> None:
         if job.sid not in self.sessions:
             raise MeshnetError(E.UNKNOWN_SESSION, f"session {job.sid} is not open on this stage")
+        keys = job.msg.get("keep") if job.msg is not None else None
+        if keys and self.prefix_store is not None:
+            self._store_prefix(job.sid, keys)
         self._forget(job.sid)
         self._reply(job, P.encode(P.OK, job.rid, sid=job.sid))
 
@@ -356,6 +398,14 @@ class StageLoop(threading.Thread):
             raise MeshnetError(E.BAD_FIELD, f"n={n} is over this stage's n_batch {self.info.n_batch}")
         if len(self.waiting) >= self.max_queue:
             raise MeshnetError(E.BUSY, f"{len(self.waiting)} steps are already waiting on this stage; try again later")
+        if session.restored:   # its first step: the route starts from the prefix all its stages hold
+            if msg["pos"] < session.restored:
+                self.stage.truncate_session(session.sid, msg["pos"])
+                if session.sampler is not None:   # the cut took the sampler's history with it
+                    self.stage.set_sampling(session.sid, *session.sampler)
+            session.restored, session.sampler = 0, None
+        if session.speculate and not self.info.is_tail and msg["pos"] < self.stage.session_length(session.sid):
+            self.stage.truncate_session(session.sid, msg["pos"])   # the rows of the last round's refused drafts
         # a step into stage k has crossed seams 0..k-1 at most: anything more is not ours to keep
         seams = list(msg.get("seams", ()))[: max(session.stage - 1, 0)]
         if self.info.is_head:
@@ -363,8 +413,16 @@ class StageLoop(threading.Thread):
             if tokens is None or len(tokens) != n or msg.payload is not None:
                 raise MeshnetError(E.BAD_PAYLOAD, f"the head stage takes n={n} token ids and no payload")
             step = Step(msg["sid"], msg["pos"], n, tokens=tokens)
+            if session.proposer is not None:
+                self._draft(session, step, prompt_chunk=bool(msg.get("ack")))
         else:
             step = Step(msg["sid"], msg["pos"], n, residual=P.residual_from(msg, self.info.seam_width))
+            if msg.get("verify"):
+                tokens = msg.get("tokens")
+                if not session.speculate or tokens is None or len(tokens) != n:
+                    raise MeshnetError(E.BAD_FIELD, f"a verify step needs the n={n} token ids of its rows, in a "
+                                       "session opened to take drafts")
+                step.tokens, step.verify = tokens, True
             hop_us = (t_ns - msg["ts"]) // 1000 if session.hop_clock and "ts" in msg.fields else -1
             hop_us = -1 if not 0 <= hop_us <= MAX_SEAM_FIELD else hop_us   # a sender's odd clock is not a measurement
             if hop_us >= 0:
@@ -377,13 +435,37 @@ class StageLoop(threading.Thread):
             session.decoding = True
         return step
 
+    def _draft(self, session: StageSession, step: Step, prompt_chunk: bool) -> None:
+        """The head of a speculating session: learn what the last round kept from where the
+        tail's next step starts, and give the step the proposer's drafts for the rows after
+        it, within what the session may still generate and the stage may hold."""
+        proposer = session.proposer
+        if prompt_chunk:
+            return   # the prompt came whole with the open
+        if session.offered is not None:
+            round_pos, offered = session.offered
+            accepted = step.pos - round_pos - 1
+            proposer.extend(offered[:accepted])
+            proposer.kept(len(offered), accepted)
+            session.offered = None
+        if len(proposer.tokens) != step.pos:
+            raise MeshnetError(E.BAD_FIELD, f"a decode step at position {step.pos}, where the head knows "
+                               f"{len(proposer.tokens)} tokens of the session")
+        proposer.extend(step.tokens)
+        generated = step.pos + 1 - session.prompt_len
+        limit = min(session.rule.max_tokens - generated - 1, self.info.n_ctx - step.pos - 1, self.info.n_batch - 1)
+        drafts = proposer.propose(limit)
+        session.offered = (step.pos, drafts)
+        if drafts:
+            step.tokens, step.n, step.verify = list(step.tokens) + drafts, 1 + len(drafts), True
+
     def _gather_wait(self) -> float:
         """Seconds to hold the waiting decode steps back, 0 to compute now. A head whose
         stages share this machine's CPUs gathers every decoding session's step into one
         forward call: the sessions then go round the ring together, one stage computing at a
         time, as they would in one process, instead of splitting into groups whose stages
         compute at once and fight for the same cores."""
-        if not self.info.is_head or any(s.n > 1 or not s.meta.session.gather for s in self.waiting):
+        if not self.info.is_head or any(s.is_chunk or not s.meta.session.gather for s in self.waiting):
             return 0.0
         here = {s.sid for s in self.waiting}
         if all(sid in here for sid, session in self.sessions.items() if session.gather and session.decoding):
@@ -437,30 +519,44 @@ class StageLoop(threading.Thread):
             t0_ns = time.monotonic_ns()
             self._send(session, session.next_hop,
                        P.encode(P.ACT, 0, payload=P.f32_payload(result.residual), sid=step.sid, key=session.key,
-                                pos=step.pos, n=step.n, seams=inp.seams or None, ts=time.monotonic_ns()))
+                                pos=step.pos, n=step.n, seams=inp.seams or None, ts=time.monotonic_ns(),
+                                tokens=list(step.tokens) if step.verify else None, verify=step.verify or None))
             self._traced("send_next", step.sid, step.pos, step.n, t0_ns)
             return
-        token = result.token
-        is_eog = self.stage.is_eog(token)
-        is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated, step.pos, step.n, is_eog)
+        # the tokens of this step: one, or a round's draws kept, each ending the session or not
+        # by the stop rule (the draws after one that ends it are not the session's)
+        rows = [(step.pos + j, 1) for j in range(len(result.draws))] if step.verify else [(step.pos, step.n)]
+        tokens, feed_head = [], False
+        for token, (pos, n) in zip(result.draws or [result.token], rows):
+            is_eog = self.stage.is_eog(token)
+            is_token, feed_head = tail_step(session.prompt_len, session.rule, session.n_generated + len(tokens),
+                                            pos, n, is_eog)
+            if is_token:
+                tokens.append((token, pos, n, is_eog))
+            if not feed_head:
+                break
         session.crossed(inp.seams)
         if feed_head:  # the next decode step first: it is the critical path
             t0_ns = time.monotonic_ns()
+            token, pos, n, _ = tokens[-1]
             self._send(session, session.next_hop,
-                       P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=step.pos + step.n, n=1, tokens=[token]))
-            self._traced("send_next", step.sid, step.pos + step.n, 1, t0_ns)
-        if is_token:
+                       P.encode(P.ACT, 0, sid=step.sid, key=session.key, pos=pos + n, n=1, tokens=[token]))
+            self._traced("send_next", step.sid, pos + n, 1, t0_ns)
+        decode_round = session.speculate and step.pos >= session.prompt_len
+        for i, (token, pos, n, is_eog) in enumerate(tokens):
             t0_ns = time.monotonic_ns()
             session.n_generated += 1
-            logits = result.logits
+            logits = result.logits if i == len(tokens) - 1 else None
             if self.test_fault == "wrong_logits" and logits is not None:
                 logits = logits + 0.25
+            drafted = step.n - 1 if decode_round and i == 0 else None
             self._send(session, session.reply, P.encode(
                 P.TOKEN, 0, payload=None if logits is None else P.f32_payload(logits), sid=step.sid, key=session.key,
-                pos=step.pos, n=step.n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
-                logits_n=None if logits is None else len(logits), seams=session.seams or None))
+                pos=pos, n=n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
+                logits_n=None if logits is None else len(logits), seams=session.seams or None,
+                drafted=drafted, accepted=None if drafted is None else len(tokens) - 1))
             session.seams = []
-            self._traced("send_reply", step.sid, step.pos, step.n, t0_ns)
+            self._traced("send_reply", step.sid, pos, n, t0_ns)
 
     def _traced(self, name: str, sid: int, pos: int, n: int, t0_ns: int) -> None:
         if self.timeline is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from meshnet.core.drafts import NgramProposer
 from meshnet.core.generation import StopRule
 
 SEAMS_KEPT = 256          # a tail's per-crossing seam records before its first token; beyond, totals per seam
@@ -26,6 +27,11 @@ class StageSession:
     hop_clock: bool
     gather: bool = False       # the head: wait for every decoding session's step (stages share the CPUs)
     decoding: bool = False     # the head has had a decode step of it
+    restored: int = 0          # tokens restored from the prefix store until its first step (core/prefix.py)
+    sampler: tuple | None = None   # ... and the tail's sampling and history, to set again if that cuts back
+    speculate: int = 0         # drafts per round at most (core/drafts.py); 0: none
+    proposer: NgramProposer | None = None    # the head's, when it drafts
+    offered: tuple[int, list[int]] | None = None   # the head: the round in flight (its position, its drafts)
     n_generated: int = 0
     seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
 

@@ -29,7 +29,7 @@ from meshnet.core.layers import LayerRange
 from meshnet.core.metrics import clock_id, rss_bytes
 from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
 from meshnet.core.trace import Timeline
-from meshnet.engine.binding import Stage, engine_pin
+from meshnet.engine.binding import Stage, engine_pin, layer_memory
 from meshnet.net import addresses
 from meshnet.net import protocol as P
 from meshnet.net import security
@@ -40,6 +40,7 @@ from meshnet.stage.config import WorkerConfig
 from meshnet.stage.link import CoordinatorLink
 from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
 from meshnet.stage.loop import StageLoop
+from meshnet.stage.prefix_store import PrefixStore, store_refusal
 
 log = logging.getLogger("meshnet.stage.worker")
 
@@ -138,8 +139,6 @@ class StageWorker:
         """--layers auto: announce the budget and the model's costs, hold nothing yet."""
         from meshnet.engine.gguf_layout import read_layout
 
-        from meshnet.engine.binding import layer_memory
-
         layout = read_layout(self.config.model_path)
         self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
         self.max_payload = self.config.n_batch * layout.n_embd * 4   # as it will be: bounds the control socket too
@@ -166,8 +165,20 @@ class StageWorker:
         timeline = Timeline(LayerRange(info.layer_start, info.layer_end).label) if self.config.trace else None
         self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
-                              timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))))
+                              timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))),
+                              prefix_store=self._prefix_store(info),
+                              # drafts need every stage of the model to drop the rows it refuses
+                              rolls_back=not any(m.state_bytes for m in layer_memory(self.config.model_path)))
         self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
+
+    def _prefix_store(self, info) -> PrefixStore | None:
+        """The store of ended sessions' memory, where reusing it gives the same tokens."""
+        why_not = store_refusal(self.config.prefix_cache_mib, self.config.numerics_class,
+                                       layer_memory(self.config.model_path)[info.layer_start:info.layer_end])
+        if why_not is not None:
+            log.info("no prefix cache on layers [%d,%d): %s", info.layer_start, info.layer_end, why_not)
+            return None
+        return PrefixStore(self.config.prefix_cache_mib << 20)
 
     # connection
 

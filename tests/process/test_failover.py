@@ -107,8 +107,10 @@ class Stages:
 
 @pytest.fixture(scope="module")
 def stages(smollm2_path):
+    # no prefix store: every run of the same prompts reads them again, so that a kill 0.2 s
+    # in lands mid-prefill (tests/process/test_prefix_reuse.py holds the store to the same tokens)
     with LocalCluster(smollm2_path, HALVES, threads=THREADS, n_ctx=1024, max_sessions=4, prefill_chunk=CHUNK,
-                      heartbeat_interval=0.1, heartbeat_liveness=10) as cluster:
+                      heartbeat_interval=0.1, heartbeat_liveness=10, prefix_cache_mib=0) as cluster:
         s = Stages(cluster)
         try:
             yield s

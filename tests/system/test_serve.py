@@ -16,6 +16,7 @@ import urllib.request
 import openai
 import pytest
 
+from meshnet.core.prefix import BLOCK
 from meshnet.engine.binding import Stage
 from meshnet.serve.completions import StopScanner
 
@@ -108,7 +109,10 @@ def test_a_streamed_chat_joins_to_the_unstreamed_text_with_the_same_seed(client,
     assert streamed == text and finish == [answer.choices[0].finish_reason]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
-    assert chunks[-1].choices == [] and chunks[-1].usage == answer.usage   # the usage chunk comes last
+    assert chunks[-1].choices == []   # the usage chunk comes last
+    # (the second of two equal prompts restores the first's whole blocks: only the counts agree)
+    assert [getattr(chunks[-1].usage, k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")] == \
+        [getattr(answer.usage, k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")]
     # usage: the prompt as the model's template makes it, tokenized with its special tokens
     prompt = whole.tokenize(whole.chat_template(QUESTION), add_special=True, parse_special=True)
     assert answer.usage.prompt_tokens == len(prompt)
@@ -131,6 +135,25 @@ def test_completions_count_the_prompt_as_the_tokenizer_does_and_stop_at_max_toke
     # special tokens written in a completion's prompt are text, not markers
     marked = client.completions.create(model=MODEL, prompt="<|im_start|>", max_tokens=1)
     assert marked.usage.prompt_tokens == len(whole.tokenize("<|im_start|>")) > 1
+
+
+def test_a_conversation_reuses_its_history_and_reports_the_cached_tokens_with_the_same_answer(client, server):
+    system = {"role": "system", "content": f"You are assistant {os.urandom(4).hex()}. Answer in one short sentence, "
+                                           "plainly, and never ask a question back."}
+    first = [system, {"role": "user", "content": "Name a large city in Italy."}]
+    answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=16)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0   # a system prompt never seen
+    again = client.chat.completions.create(model=MODEL, messages=first, max_tokens=16)
+    # computed from the restored prefix, the same greedy answer as from a full prefill
+    assert again.choices[0].message.content == answer.choices[0].message.content
+    n_prompt = answer.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // BLOCK * BLOCK > 0
+    turn = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                    {"role": "user", "content": "And one in Spain?"}]
+    later = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8)
+    assert later.usage.prompt_tokens_details.cached_tokens >= (n_prompt - 1) // BLOCK * BLOCK
+    hits = re.search(r"^meshnet_prefix_cache_hits_total\{\} (\d+)$", metrics_text(server), re.M)
+    assert hits and int(hits.group(1)) >= 2
 
 
 def test_chat_max_tokens_ends_with_length(client):

@@ -1,0 +1,87 @@
+"""Drafted tokens for speculative decoding, with no model: the tokens that followed the
+latest earlier occurrence of the session's last few tokens, in its prompt or its own
+output (prompt lookup; llama.cpp's ngram-simple). Text that repeats what came before (code
+edited in place, a summary quoting its source, a list, a refrain) drafts well; other text
+drafts nothing, and the round is a plain decode step.
+
+The route verifies a round's drafts in one pass and keeps those equal to what it would
+have drawn itself, so a draft costs rows, never a different token. How many to draft adapts
+to how many were kept: all kept, draft more; one refused, draft one past what was kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+
+MAX_DRAFTS = 32   # drafts a round may carry: past a few, a round's rows cost more than its odds of keeping them pay
+NGRAM_DRAFTS = 8  # --speculate ngram's drafts a round at most
+NGRAM_MAX = 4     # the longest suffix matched: the longer the match, the likelier its continuation
+NGRAM_MIN = 2     # one token alone matches too much to draft from
+DRAFT_MIN = 2     # drafts of a round, after a refusal at the first
+
+
+def parse_speculate(text: str) -> int:
+    """--speculate: ngram (NGRAM_DRAFTS drafts a round at most), ngram:K, or off (0)."""
+    if text == "off":
+        return 0
+    kind, _, k = text.partition(":")
+    if kind == "draft":
+        raise MeshnetError(E.INVALID_ARGUMENT, "--speculate draft:MODEL: a draft model is not built yet; "
+                           "--speculate ngram drafts from the session's own tokens")
+    if kind != "ngram" or (k and not (k.isdigit() and 1 <= int(k) <= MAX_DRAFTS)):
+        raise MeshnetError(E.INVALID_ARGUMENT, f"--speculate {text}: ngram, ngram:K (K drafts a round at most, "
+                           f"1..{MAX_DRAFTS}) or off")
+    return int(k) if k else NGRAM_DRAFTS
+
+
+@dataclass
+class NgramProposer:
+    max_drafts: int
+    tokens: list[int] = field(default_factory=list)   # the session's tokens, each by its position
+    length: int = 0                                   # drafts to offer next round
+    # n-gram -> the position of the token that followed its latest occurrence
+    _next: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.length = self.max_drafts
+
+    def extend(self, tokens) -> None:
+        """The session's next tokens, as fed to the route."""
+        for token in tokens:
+            i = len(self.tokens)
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if i >= n:
+                    self._next[tuple(self.tokens[i - n:i])] = i
+            self.tokens.append(token)
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to min(limit, the adaptive length) drafts to follow the tokens so far."""
+        k = min(limit, self.length)
+        if k <= 0:
+            return []
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if len(self.tokens) <= n:
+                continue
+            at = self._next.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                # past the end, the continuation repeats with the period it showed
+                period, drafts = len(self.tokens) - at, []
+                for i in range(k):
+                    j = at + i
+                    while j >= len(self.tokens):
+                        j -= period
+                    drafts.append(self.tokens[j])
+                return drafts
+        return []
+
+    def kept(self, offered: int, accepted: int) -> None:
+        """A round offered OFFERED drafts and the route kept ACCEPTED of them."""
+        if offered == 0:
+            return
+        if accepted == offered:
+            self.length = min(self.max_drafts, self.length + 2)
+        else:
+            self.length = max(DRAFT_MIN, accepted + 1)

@@ -1,0 +1,101 @@
+"""The n-gram proposer as pure logic: plain token lists in, drafts out."""
+
+from meshnet.core.drafts import DRAFT_MIN, NgramProposer
+
+
+def test_it_drafts_what_followed_the_latest_earlier_occurrence_of_the_last_tokens():
+    proposer = NgramProposer(max_drafts=4)
+    proposer.extend([1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
+    assert proposer.propose(8) == [4, 5, 9, 9]
+    assert proposer.propose(2) == [4, 5]            # no more than the caller can use
+
+
+def test_the_longest_matching_suffix_wins_and_a_period_repeats_past_the_end():
+    proposer = NgramProposer(max_drafts=6)
+    proposer.extend([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3])   # [2, 3] last came before 7, [1, 2, 3] before 9
+    assert proposer.propose(1) == [9]
+    periodic = NgramProposer(max_drafts=5)
+    periodic.extend([4, 5, 4, 5, 4])
+    assert periodic.propose(5) == [5, 4, 5, 4, 5]
+
+
+def test_nothing_to_match_drafts_nothing():
+    proposer = NgramProposer(max_drafts=4)
+    proposer.extend([1, 2, 3, 4, 5])
+    assert proposer.propose(4) == []
+
+
+def test_the_draft_length_grows_while_every_draft_is_kept_and_falls_to_what_was_kept_after_a_refusal():
+    proposer = NgramProposer(max_drafts=8)
+    proposer.length = 4
+    proposer.kept(4, 4)
+    assert proposer.length == 6
+    proposer.kept(6, 6)
+    proposer.kept(8, 8)
+    assert proposer.length == 8
+    proposer.kept(8, 3)
+    assert proposer.length == 4
+    proposer.kept(4, 0)
+    assert proposer.length == DRAFT_MIN
+    proposer.kept(0, 0)                              # a round with no drafts says nothing
+    assert proposer.length == DRAFT_MIN
+
+
+def test_the_table_asks_the_head_to_draft_from_the_prompt_and_counts_each_round():
+    from meshnet.core.generation import Generation, StopRule
+    from meshnet.net import protocol as P
+    from meshnet.route.events import Done, Request
+
+    from test_sessions import Mesh, caller, of
+
+    mesh = Mesh()
+    mesh.add("head", 0, 2), mesh.add("tail", 2, 4)
+    mesh.table.speculate = 4
+    prompt = list(range(12))
+    opens = of(mesh.table.open(1, Generation(prompt, StopRule(5), 64, tail_feeds_head=True), want_logits=False), Request)
+    assert [o.fields["speculate"] for o in opens] == [4, 4]
+    assert opens[0].fields["history"] == prompt and opens[1].fields["history"] is None
+    mesh.table.opened(1, drafts=4)
+    mesh.table.opened(1)
+    key = mesh.key()
+
+    def token(pos, t, **counts):
+        return mesh.table.token(P.Message(P.TOKEN, 0, {"sid": 1, "key": key, "pos": pos, "n": 1, "token": t,
+                                                       "eog": False, **counts}))
+    token(11, 100)                            # the prefill's token
+    token(12, 101, drafted=3, accepted=2)     # a round of 3 drafts that kept 2: three tokens
+    token(13, 102)
+    token(14, 103)
+    done = [e for e in caller(token(15, 104, drafted=2, accepted=0)) if isinstance(e, Done)]
+    spec = done[0].metrics["speculation"]
+    assert (spec["rounds"], spec["drafted"], spec["accepted"]) == (2, 5, 2)
+    assert spec["acceptance_rate"] == 0.4 and spec["tokens_per_round"] == 2.0
+    assert mesh.table.counters["speculation_accepted"] == 2
+
+
+def test_a_session_that_ships_its_logits_or_runs_the_stock_class_decodes_a_token_at_a_time():
+    from meshnet.core.generation import Generation, StopRule
+    from meshnet.route.events import Request
+
+    from test_sessions import Mesh, of
+
+    for numerics, want_logits in (("invariant", True), ("stock", False)):
+        mesh = Mesh()
+        mesh.add("head", 0, 2, numerics=numerics), mesh.add("tail", 2, 4, numerics=numerics)
+        mesh.table.speculate = 4
+        opens = of(mesh.table.open(1, Generation(list(range(12)), StopRule(5), 64, tail_feeds_head=True),
+                                   want_logits=want_logits), Request)
+        assert all(o.fields.get("speculate") is None for o in opens)
+
+
+def test_the_speculate_option_reads_ngram_a_count_or_off_and_says_what_else_it_takes():
+    import pytest
+
+    from meshnet.core.drafts import NGRAM_DRAFTS, parse_speculate
+    from meshnet.core.errors import MeshnetError
+
+    assert parse_speculate("off") == 0 and parse_speculate("ngram") == NGRAM_DRAFTS and parse_speculate("ngram:3") == 3
+    for bad in ("ngram:0", "ngram:x", "lookahead", "draft:qwen"):
+        with pytest.raises(MeshnetError) as refused:
+            parse_speculate(bad)
+        assert "--speculate" in refused.value.message
