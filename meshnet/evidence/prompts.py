@@ -43,13 +43,14 @@ CLASS_CHECK = [
 ]
 
 # Text that repeats what came before it, the kind speculation from the session's own tokens
-# drafts well: code edited in place, a list counted on, a refrain, a quoted passage
+# drafts well: code written to a pattern, a schedule, a refrain, a passage copied
 REPETITIVE = [
     "def area_of_square(side):\n    return side * side\n\n\ndef area_of_rectangle(width, height):\n    return "
     "width * height\n\n\ndef area_of_triangle(base, height):\n    return base * height / 2\n\n\ndef",
     "Monday: wake up, stretch, run, shower, breakfast.\nTuesday: wake up, stretch, run, shower, breakfast.\n"
     "Wednesday: wake up, stretch, run, shower, breakfast.\nThursday:",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
+    "Copy the text exactly.\nText: The station opens at six. Trains leave for the coast every hour, and the last "
+    "one comes back at midnight. Tickets are sold at the window and on the train.\nCopy: The station opens at six.",
     "Row, row, row your boat, gently down the stream. Merrily, merrily, merrily, merrily, life is but a dream. "
     "Row, row, row your boat, gently down the stream. Merrily, merrily,",
 ]

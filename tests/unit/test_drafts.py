@@ -1,10 +1,10 @@
 """The n-gram proposer as pure logic: plain token lists in, drafts out."""
 
-from meshnet.core.drafts import DRAFT_MIN, NgramProposer
+from meshnet.core.drafts import PROBE_EVERY, NgramProposer, best_length
 
 
 def test_it_drafts_what_followed_the_latest_earlier_occurrence_of_the_last_tokens():
-    proposer = NgramProposer(max_drafts=4)
+    proposer = NgramProposer(max_drafts=4, kept_weight=100.0)   # drafts kept so far: as many as it may
     proposer.extend([1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
     assert proposer.propose(8) == [4, 5, 9, 9]
     assert proposer.propose(2) == [4, 5]            # no more than the caller can use
@@ -14,7 +14,7 @@ def test_the_longest_matching_suffix_wins_and_a_period_repeats_past_the_end():
     proposer = NgramProposer(max_drafts=6)
     proposer.extend([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3])   # [2, 3] last came before 7, [1, 2, 3] before 9
     assert proposer.propose(1) == [9]
-    periodic = NgramProposer(max_drafts=5)
+    periodic = NgramProposer(max_drafts=5, kept_weight=100.0)
     periodic.extend([4, 5, 4, 5, 4])
     assert periodic.propose(5) == [5, 4, 5, 4, 5]
 
@@ -25,20 +25,27 @@ def test_nothing_to_match_drafts_nothing():
     assert proposer.propose(4) == []
 
 
-def test_the_draft_length_grows_while_every_draft_is_kept_and_falls_to_what_was_kept_after_a_refusal():
+def test_the_draft_length_is_what_pays_best_at_the_rate_drafts_were_kept():
+    assert best_length(0.95, 8) == 8 and best_length(0.7, 8) == 2 and best_length(0.3, 8) == 0
     proposer = NgramProposer(max_drafts=8)
-    proposer.length = 4
-    proposer.kept(4, 4)
-    assert proposer.length == 6
-    proposer.kept(6, 6)
-    proposer.kept(8, 8)
-    assert proposer.length == 8
-    proposer.kept(8, 3)
-    assert proposer.length == 4
-    proposer.kept(4, 0)
-    assert proposer.length == DRAFT_MIN
-    proposer.kept(0, 0)                              # a round with no drafts says nothing
-    assert proposer.length == DRAFT_MIN
+    start = proposer.length
+    for _ in range(6):
+        proposer.kept(proposer.length, proposer.length)    # every draft kept: more each round
+    assert proposer.length == 8 > start
+    refused = NgramProposer(max_drafts=8)
+    for _ in range(6):
+        refused.kept(max(refused.length, 1), 0)            # the first refused, round after round
+    assert refused.length == 0
+
+
+def test_a_proposer_that_stopped_drafting_tries_one_draft_again_now_and_then():
+    proposer = NgramProposer(max_drafts=8, kept_weight=0.0, refused_weight=5.0)
+    proposer.extend([1, 2, 3, 1, 2])
+    offered = [proposer.propose(8) for _ in range(PROBE_EVERY)]
+    assert offered[:-1] == [[]] * (PROBE_EVERY - 1) and offered[-1] == [3]
+    proposer.kept(1, 1)
+    proposer.kept(0, 0)                                   # a round with no drafts says nothing
+    assert proposer.kept_weight == 1.0 and proposer.idle == 0
 
 
 def test_the_table_asks_the_head_to_draft_from_the_prompt_and_counts_each_round():
