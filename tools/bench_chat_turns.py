@@ -21,10 +21,11 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import start_server  # noqa: E402  (a tool beside this one)
 
-SYSTEM = ("You are a patient assistant for a small team that plans weekend trips by train across Europe. You "
-          "answer in two or three plain sentences, name one concrete place or train where it helps, never use "
-          "lists, and never ask a question back. The team likes quiet towns, local food, short walks and early "
-          "trains; they travel light, carry one bag each, and prefer to book a day ahead. Session {nonce}.")
+# the nonce first: no repeat's first turn finds any of its prompt stored by an earlier one
+SYSTEM = ("Session {nonce}. You are a patient assistant for a small team that plans weekend trips by train across "
+          "Europe. You answer in two or three plain sentences, name one concrete place or train where it helps, "
+          "never use lists, and never ask a question back. The team likes quiet towns, local food, short walks and "
+          "early trains; they travel light, carry one bag each, and prefer to book a day ahead.")
 QUESTIONS = ["Where should we go first from Paris?", "What should we eat there?", "Is there a short walk nearby?",
              "Which train takes us onward?", "Where do we sleep that night?", "What if it rains?",
              "Is there a market on Sunday?", "How early should we leave?", "What do we bring back?",
@@ -94,9 +95,10 @@ def main() -> int:
         off = statistics.median(run[t]["ttft_ms"] for run in runs["off"])
         cache = statistics.median(run[t]["ttft_ms"] for run in runs["cache"])
         row = {"turn": t + 1, "prompt_tokens": runs["cache"][0][t]["prompt_tokens"],
-               "cached_tokens": runs["cache"][0][t]["cached_tokens"], "ttft_off_ms": off, "ttft_cache_ms": cache}
+               "cached_tokens": statistics.median(run[t]["cached_tokens"] for run in runs["cache"]),
+               "ttft_off_ms": off, "ttft_cache_ms": cache}
         rows.append(row)
-        print(f"{t + 1:>4} {row['prompt_tokens']:>6} {row['cached_tokens']:>6} {off:>11.0f} {cache:>13.0f} "
+        print(f"{t + 1:>4} {row['prompt_tokens']:>6} {row['cached_tokens']:>6.0f} {off:>11.0f} {cache:>13.0f} "
               f"{cache / off:>9.2f}")
     last = rows[-1]
     summary = {"turn_last_over_first_off": last["ttft_off_ms"] / rows[0]["ttft_off_ms"],

@@ -245,7 +245,7 @@ def check(args, report: dict) -> bool:
         if args.speculate:   # the same tokens drafting as without, on every prompt
             drafted = {tuple(t): coordinator.generate(list(t), args.tokens, stop_at_eog=False, speculate=args.speculate)
                        .result(120) for t in [*wanted, *(tuple(whole[p][0]) for p in PROMPTS)]}
-            want = dict(wanted, **{tuple(whole[p][0]): whole[p][1].tokens for p in PROMPTS})
+            want = {**wanted, **{tuple(whole[p][0]): whole[p][1].tokens for p in PROMPTS}}
             drafts_ok = all(drafted[t].tokens == want[t] for t in want)
             kept = [d.metrics["speculation"] for d in drafted.values()]
             report["drafts"] = {"identical": drafts_ok, "drafted": sum(k["drafted"] for k in kept),
