@@ -16,6 +16,7 @@
 #               asserts each link's mechanism. Unset: the workers run with --insecure.
 #   PORT        the coordinator's port (default 5555: the namespaces are private).
 #   ROUNDS      timed runs of each prompt, whole model and route in turns (default 3).
+#   TOKENS      greedy tokens per prompt (default 32).
 #   SPECULATE   ngram or ngram:K: the route also decodes with drafts (meshnet run --speculate),
 #               checked to give the same tokens, and timed in turns beside the route
 #               without them and the whole model, on repetitive prompts as well.
@@ -191,7 +192,7 @@ start "worker $second" "$ns_b" "${worker[@]}" --layers "$second" --data-bind "tc
 # the checker's output is ours; the workers reconnect until its coordinator listens
 ${tie[@]+"${tie[@]}"} ip netns exec "$ns_a" "$py" "$root/tools/netns_check.py" --bind "$coordinator" \
     --model "$model_path" --layers "$layers" --threads 1 --ctx 1024 --peer "$addr_b" --delay-us "${delay_us:-0}" \
-    --rounds "${ROUNDS:-3}" ${SPECULATE:+--speculate "$SPECULATE"} \
+    --rounds "${ROUNDS:-3}" --tokens "${TOKENS:-32}" ${SPECULATE:+--speculate "$SPECULATE"} \
     ${check_keys[@]+"${check_keys[@]}"} &
 checker=$!
 pids+=("$checker")

@@ -8,8 +8,11 @@ The route verifies a round's drafts in one pass and keeps those equal to what it
 have drawn itself, so a draft costs rows, never a different token. How many to draft is
 what pays best at the rate drafts were kept lately: a round of k drafts each kept with
 probability p (while the ones before it were) gives (1 - p^(k+1)) / (1 - p) tokens for the
-price of 1 + ROW_COST * k one-token rounds. Where that never pays, the head drafts nothing,
-and tries one draft again now and then.
+price of 1 + c * k one-token rounds, c a drafted row's price against a round's. The head
+learns c from the rounds it times (each round from one step's arrival to the next's, a
+straight line through round time against drafts), since a round's fixed part is the
+network's as much as the compute's: across a slow link a row costs less of a round.
+Where drafting never pays, the head drafts nothing, and tries one draft again now and then.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ NGRAM_MAX = 4     # the longest suffix matched: the longer the match, the likeli
 NGRAM_MIN = 2     # one token alone matches too much to draft from
 # a drafted row's price against a one-token round's: measured on the CPU engine (the invariant
 # class computes each row as alone), SmolLM2 at one thread a stage: 19 ms a token, 6 ms a row more
-ROW_COST = 0.3
+ROW_COST = 0.3    # (c's start, until the rounds timed say otherwise)
+ROW_COST_RANGE = (0.02, 1.0)
+TIMED_DECAY = 0.95   # the weight of earlier rounds' times against the last one's
 KEPT_DECAY = 0.8  # the weight of what earlier rounds kept, against the last round's
 PROBE_EVERY = 8   # rounds of no drafts before one draft is tried again
 
@@ -61,6 +66,8 @@ class NgramProposer:
     kept_weight: float = 3.0      # drafts kept lately, decayed; the start expects 3 of 4 kept
     refused_weight: float = 1.0   # ... rounds cut by a refused draft
     idle: int = 0                 # rounds without drafts since the last
+    # decayed sums over timed rounds (weight, drafts, seconds, drafts^2, drafts x seconds)
+    _timed: list[float] = field(default_factory=lambda: [0.0] * 5)
     # n-gram -> the position of the token that followed its latest occurrence
     _next: dict[tuple[int, ...], int] = field(default_factory=dict)
 
@@ -69,9 +76,33 @@ class NgramProposer:
         return self.kept_weight / (self.kept_weight + self.refused_weight)
 
     @property
+    def row_cost(self) -> float:
+        """A drafted row's price against a one-token round's: the slope of round time over
+        drafts against its intercept, once the rounds timed drafted more than one length."""
+        w, k, t, kk, kt = self._timed
+        if w <= 0:
+            return ROW_COST
+        mean_k, mean_t = k / w, t / w
+        var_k = kk / w - mean_k ** 2
+        if var_k < 0.25:   # (nearly) one length drafted: the slope is not known
+            return ROW_COST
+        slope = (kt / w - mean_k * mean_t) / var_k
+        base = mean_t - slope * mean_k
+        if base <= 0:
+            return ROW_COST
+        low, high = ROW_COST_RANGE
+        return min(high, max(low, slope / base))
+
+    @property
     def length(self) -> int:
         """Drafts to offer next round."""
-        return best_length(self.keep_rate, self.max_drafts)
+        return best_length(self.keep_rate, self.max_drafts, self.row_cost)
+
+    def timed(self, drafts: int, seconds: float) -> None:
+        """A round of DRAFTS drafts took SECONDS, from its step's arrival at the head to the next's."""
+        self._timed = [v * TIMED_DECAY for v in self._timed]
+        for i, v in enumerate((1.0, drafts, seconds, drafts * drafts, drafts * seconds)):
+            self._timed[i] += v
 
     def extend(self, tokens) -> None:
         """The session's next tokens, as fed to the route."""

@@ -442,11 +442,13 @@ class StageLoop(threading.Thread):
         proposer = session.proposer
         if prompt_chunk:
             return   # the prompt came whole with the open
+        now = time.monotonic()
         if session.offered is not None:
-            round_pos, offered = session.offered
+            round_pos, offered, began = session.offered
             accepted = step.pos - round_pos - 1
             proposer.extend(offered[:accepted])
             proposer.kept(len(offered), accepted)
+            proposer.timed(len(offered), now - began)
             session.offered = None
         if len(proposer.tokens) != step.pos:
             raise MeshnetError(E.BAD_FIELD, f"a decode step at position {step.pos}, where the head knows "
@@ -455,7 +457,7 @@ class StageLoop(threading.Thread):
         generated = step.pos + 1 - session.prompt_len
         limit = min(session.rule.max_tokens - generated - 1, self.info.n_ctx - step.pos - 1, self.info.n_batch - 1)
         drafts = proposer.propose(limit)
-        session.offered = (step.pos, drafts)
+        session.offered = (step.pos, drafts, now)
         if drafts:
             step.tokens, step.n, step.verify = list(step.tokens) + drafts, 1 + len(drafts), True
 

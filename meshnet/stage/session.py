@@ -31,7 +31,7 @@ class StageSession:
     sampler: tuple | None = None   # ... and the tail's sampling and history, to set again if that cuts back
     speculate: int = 0         # drafts per round at most (core/drafts.py); 0: none
     proposer: NgramProposer | None = None    # the head's, when it drafts
-    offered: tuple[int, list[int]] | None = None   # the head: the round in flight (its position, its drafts)
+    offered: tuple[int, list[int], float] | None = None   # the head: the round in flight (position, drafts, when)
     n_generated: int = 0
     seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
 

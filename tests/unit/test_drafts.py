@@ -106,3 +106,21 @@ def test_the_speculate_option_reads_ngram_a_count_or_off_and_says_what_else_it_t
         with pytest.raises(MeshnetError) as refused:
             parse_speculate(bad)
         assert "--speculate" in refused.value.message
+
+
+def test_the_price_of_a_drafted_row_is_learnt_from_the_rounds_timed():
+    from meshnet.core.drafts import ROW_COST
+
+    proposer = NgramProposer(max_drafts=8)
+    assert proposer.row_cost == ROW_COST                  # nothing timed yet
+    for _ in range(4):
+        proposer.timed(2, 0.030)
+    assert proposer.row_cost == ROW_COST                  # one length only: no slope to see
+    for k in (0, 1, 2, 3, 4) * 4:                         # a slow link: 25 ms a round, 2 ms a row
+        proposer.timed(k, 0.025 + 0.002 * k)
+    assert abs(proposer.row_cost - 0.08) < 0.01
+    fast = NgramProposer(max_drafts=8, kept_weight=3.5, refused_weight=1.0)
+    for k in (0, 1, 2, 3, 4) * 4:                         # loopback: 20 ms a round, 6 ms a row
+        fast.timed(k, 0.020 + 0.006 * k)
+    assert fast.length < NgramProposer(max_drafts=8, kept_weight=3.5, refused_weight=1.0,
+                                       _timed=proposer._timed).length
