@@ -110,12 +110,16 @@ def prometheus_text(snapshot: dict) -> str:
     metric("resumes_total", "counter", "sessions replayed on a new route after a stage was lost",
            [({}, resumes.get("count"))])
     metric("replayed_tokens_total", "counter", "tokens fed again to replay sessions", [({}, resumes.get("replayed_tokens"))])
-    metric("prefix_cache_hits_total", "counter", "sessions that started from a prefix every stage of the route held",
-           [({}, counters.get("prefix_hits"))])
-    metric("prefix_cache_misses_total", "counter", "sessions that found no stored prefix on some stage of the route",
-           [({}, counters.get("prefix_misses"))])
-    metric("prefix_cache_hit_tokens_total", "counter", "prompt tokens restored instead of computed",
-           [({}, counters.get("prefix_hit_tokens"))])
+    for name, help_text, key in (
+            ("prefix_cache_hits_total", "sessions that started from a prefix every stage of the route held",
+             "prefix_hits"),
+            ("prefix_cache_misses_total", "sessions that found no stored prefix on some stage of the route",
+             "prefix_misses"),
+            ("prefix_cache_hit_tokens_total", "prompt tokens restored instead of computed", "prefix_hit_tokens"),
+            ("speculation_rounds_total", "decode rounds of speculating sessions", "speculation_rounds"),
+            ("speculation_drafted_total", "drafted tokens the route verified", "speculation_drafted"),
+            ("speculation_accepted_total", "drafted tokens the route kept (its own draws)", "speculation_accepted")):
+        metric(name, "counter", help_text, [({}, counters.get(key))])
     caches = [(s, s.get("prefix_cache")) for s in stages if s.get("prefix_cache")]
     for name, kind, help_text, key in (
             ("stage_prefix_cache_bytes", "gauge", "bytes of ended sessions' memory the stage keeps", "bytes"),
@@ -126,12 +130,6 @@ def prometheus_text(snapshot: dict) -> str:
              "evictions")):
         metric(name, kind, help_text, [({"stage": s["stage"], "worker": s["worker"]}, cache.get(key))
                                        for s, cache in caches])
-    metric("speculation_rounds_total", "counter", "decode rounds of speculating sessions",
-           [({}, counters.get("speculation_rounds"))])
-    metric("speculation_drafted_total", "counter", "drafted tokens the route verified",
-           [({}, counters.get("speculation_drafted"))])
-    metric("speculation_accepted_total", "counter", "drafted tokens the route kept (its own draws)",
-           [({}, counters.get("speculation_accepted"))])
     metric("resume_ms", "gauge", "from a stage's loss to the session's next token",
            [({"quantile": "0.5"}, resumes.get("ms_p50")), ({"quantile": "0.99"}, resumes.get("ms_p99"))])
     return "\n".join(lines) + "\n"

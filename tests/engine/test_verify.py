@@ -30,7 +30,10 @@ class Route:
     def __init__(self, path, ranges=((0, 2), (2, 4))):
         self.stages = [Stage(path, r, n_ctx=256, max_sessions=2, n_threads=THREADS) for r in ranges]
 
-    def close(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         for stage in self.stages:
             stage.close()
 
@@ -83,8 +86,7 @@ def with_drafts(route, sid, prompt, want, sampling=None, k=4, wrong_every=3):
 @pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("stem", ["llama-dense", "gemma3-dense", "qwen3moe-moe"])
 def test_drafts_give_the_tokens_of_decoding_one_at_a_time(stem, sampling):
-    route = Route(model(stem))
-    try:
+    with Route(model(stem)) as route:
         prompt = list(range(3, 40))
         want = one_by_one(route, 1, prompt, sampling)
         for stage in route.stages:
@@ -92,13 +94,10 @@ def test_drafts_give_the_tokens_of_decoding_one_at_a_time(stem, sampling):
         got, kept = with_drafts(route, 2, prompt, want, sampling)
         assert got == want
         assert max(kept) == 4 and min(kept) < 4   # rounds that kept every draft, and rounds cut at the wrong one
-    finally:
-        route.close()
 
 
 def test_a_round_keeps_the_drafts_up_to_the_first_that_differs_and_its_logits_are_the_last_kept_row_s():
-    route = Route(model("llama-dense"))
-    try:
+    with Route(model("llama-dense")) as route:
         prompt = list(range(5, 30))
         want = one_by_one(route, 1, prompt)
         for stage in route.stages:
@@ -116,13 +115,10 @@ def test_a_round_keeps_the_drafts_up_to_the_first_that_differs_and_its_logits_ar
         route.step(3, len(prompt) + 1, [want[1]])
         _, alone = route.step(3, len(prompt) + 2, [want[2]])
         assert np.array_equal(logits, alone)
-    finally:
-        route.close()
 
 
 def test_a_model_with_recurrent_state_refuses_drafts_and_goes_on_without_them():
-    route = Route(model("mamba-dense"))
-    try:
+    with Route(model("mamba-dense")) as route:
         prompt = list(range(3, 20))
         route.open(1, prompt)
         (token,), _ = route.step(1, 0, prompt)
@@ -130,5 +126,3 @@ def test_a_model_with_recurrent_state_refuses_drafts_and_goes_on_without_them():
             route.step(1, len(prompt), [token, 7, 8], verify=True)
         assert refused.value.code == "cannot_roll_back" and "without drafts" in refused.value.message
         assert route.stages[-1].session_length(1) == len(prompt)   # the tail refused before it computed
-    finally:
-        route.close()
