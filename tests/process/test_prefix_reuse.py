@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshnet.core.prefix import BLOCK
+from meshnet.core.sampling import Sampling
 from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import TEST_MODELS
@@ -17,6 +18,7 @@ from conftest import TEST_MODELS
 # one layer, then three: the second stage's memory is three times the first's, so a cap can
 # hold an ended session on the first stage and not on the second
 UNEVEN = [(0, 1), (1, 4)]
+SEEDED = Sampling(temperature=0.9, top_k=40, repeat_penalty=1.1, seed=11)
 SETTLE_S = 60.0   # a loaded 2-core machine's bound for the stages' statistics to show what they did
 
 
@@ -30,13 +32,13 @@ def tokens(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 128, n).tolist()
 
 
-def conversation(cluster, turns: list[list[int]], n_new: int = 8) -> list[tuple[list[int], int]]:
+def conversation(cluster, turns: list[list[int]], n_new: int = 8, sampling=None) -> list[tuple[list[int], int]]:
     """Each turn's tokens after the history so far (its answers included), and how many of
     its prompt tokens the route restored."""
     history, out = [], []
     for turn in turns:
         history += turn
-        session = cluster.coordinator.generate(history, n_new, stop_at_eog=False).result(120)
+        session = cluster.coordinator.generate(history, n_new, stop_at_eog=False, sampling=sampling).result(120)
         out.append((session.tokens, session.metrics["cached_tokens"]))
         history += session.tokens
     return out
@@ -73,26 +75,31 @@ def test_the_turns_of_a_conversation_reuse_the_history_with_the_tokens_of_a_full
     assert counters["prefix_hits"] == 2 and counters["prefix_hit_tokens"] == cached[1] + cached[2]
 
 
-def test_a_stage_that_no_longer_holds_the_prefix_makes_it_a_full_prefill_with_the_same_tokens():
+@pytest.mark.parametrize("ranges", [UNEVEN, [(0, 3), (3, 4)]], ids=["small head", "small tail"])
+def test_a_stage_that_no_longer_holds_the_prefix_makes_it_a_full_prefill_with_the_same_tokens(ranges):
     a, b, more = tokens(1000, 4), tokens(1000, 5), tokens(20, 6)
-    # about 1 MB of memory on the first stage per session of 1000 tokens, 3 MB on the second:
-    # 4 MiB keep both sessions on the first, only the later one on the second
-    with LocalCluster(model("llama-dense"), UNEVEN, threads=1, n_ctx=2048, max_sessions=2,
+    # about 1 MB of memory on the one-layer stage per session of 1000 tokens, 3 MB on the
+    # three-layer one: 4 MiB keep both sessions on the first, only the later one on the second
+    small, large = (0, 1) if ranges[0] == (0, 1) else (1, 0)
+    with LocalCluster(model("llama-dense"), ranges, threads=1, n_ctx=2048, max_sessions=2,
                       prefix_cache_mib=4) as cluster:
         conversation(cluster, [a])
         conversation(cluster, [b])
-        first, second = stage_caches(cluster, stored=2)
-        assert first["entries"] == 2 and second["entries"] == 1 and second["evictions"] == 1
+        caches = stage_caches(cluster, stored=2)
+        assert caches[small]["entries"] == 2 and caches[large]["entries"] == 1 and caches[large]["evictions"] == 1
         [(b_more, b_cached)] = conversation(cluster, [b + more])   # held by both stages
-        [(a_more, a_cached)] = conversation(cluster, [a + more])   # held by the first alone: cut back to 0 there
-        first, second = stage_caches(cluster, stored=4)
-    with LocalCluster(model("llama-dense"), UNEVEN, threads=1, n_ctx=2048, max_sessions=2,
+        # held by the small stage alone, which cuts back to 0 at the first step (the tail
+        # then tells its sampler the prompt again)
+        [(a_more, a_cached)] = conversation(cluster, [a + more], sampling=SEEDED)
+        caches = stage_caches(cluster, stored=4)
+    with LocalCluster(model("llama-dense"), ranges, threads=1, n_ctx=2048, max_sessions=2,
                       prefix_cache_mib=0) as cluster:
         [(plain_b, _)] = conversation(cluster, [b + more])
-        [(plain_a, _)] = conversation(cluster, [a + more])
+        [(plain_a, _)] = conversation(cluster, [a + more], sampling=SEEDED)
     assert b_cached == (1000 + 7) // BLOCK * BLOCK and a_cached == 0
     assert (b_more, a_more) == (plain_b, plain_a)
-    assert (first["hits"], first["misses"], second["hits"], second["misses"]) == (2, 2, 1, 3)
+    assert (caches[small]["hits"], caches[small]["misses"]) == (2, 2)
+    assert (caches[large]["hits"], caches[large]["misses"]) == (1, 3)
 
 
 @pytest.mark.parametrize("stem", ["jamba-dense", "mamba-dense"])
