@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from meshnet.core import numerics
+from meshnet.core.planner import OVERHEAD
 from meshnet.core.prefix import BLOCK
 
 
@@ -29,6 +30,16 @@ def store_refusal(capacity_mib: int, numerics_class: str, layers) -> str | None:
     if any(layer.state_bytes for layer in layers):
         return "these layers keep a recurrent state, which cannot be cut back to a shorter prefix"
     return None
+
+
+def store_capacity(capacity_mib: int, admitted: int | None, stage_bytes: int) -> int:
+    """The store's cap in bytes: --prefix-cache, and within --mem (ADMITTED, when given) no
+    more than what the stage's own STAGE_BYTES and the process's overhead leave of it: the
+    planner budgets a worker by --mem without the store."""
+    capacity = capacity_mib << 20
+    if admitted is not None:
+        capacity = min(capacity, max(0, admitted - stage_bytes - OVERHEAD))
+    return capacity
 
 
 @dataclass

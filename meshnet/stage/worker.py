@@ -40,7 +40,7 @@ from meshnet.stage.config import WorkerConfig
 from meshnet.stage.link import CoordinatorLink
 from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
 from meshnet.stage.loop import StageLoop
-from meshnet.stage.prefix_store import PrefixStore, store_refusal
+from meshnet.stage.prefix_store import PrefixStore, store_capacity, store_refusal
 
 log = logging.getLogger("meshnet.stage.worker")
 
@@ -175,10 +175,14 @@ class StageWorker:
         """The store of ended sessions' memory, where reusing it gives the same tokens."""
         why_not = store_refusal(self.config.prefix_cache_mib, self.config.numerics_class,
                                        layer_memory(self.config.model_path)[info.layer_start:info.layer_end])
+        capacity = store_capacity(self.config.prefix_cache_mib, self.config.mem,
+                                  info.model_bytes + info.kv_bytes + info.compute_bytes)
+        if why_not is None and capacity == 0:
+            why_not = "the stage leaves none of --mem to it"
         if why_not is not None:
             log.info("no prefix cache on layers [%d,%d): %s", info.layer_start, info.layer_end, why_not)
             return None
-        return PrefixStore(self.config.prefix_cache_mib << 20)
+        return PrefixStore(capacity)
 
     # connection
 

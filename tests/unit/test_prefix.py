@@ -13,7 +13,7 @@ from meshnet.engine.binding import LayerMemory
 from meshnet.route.events import Request
 from meshnet.route.requests import RequestKind
 from meshnet.route.tracker import compat_class_of
-from meshnet.stage.prefix_store import PrefixStore, store_refusal
+from meshnet.stage.prefix_store import PrefixStore, store_capacity, store_refusal
 
 from test_sessions import Mesh, of, pushed
 
@@ -79,6 +79,14 @@ def test_a_stage_keeps_a_store_only_where_a_restored_prefix_gives_the_same_token
     assert store_refusal(0, "invariant", [attention]) == "--prefix-cache 0"
     assert "stock numerics class" in store_refusal(64, "stock", [attention])
     assert "recurrent state" in store_refusal(64, "invariant", [attention, recurrent])
+
+
+def test_within_mem_the_store_gets_what_the_stage_leaves_of_it():
+    from meshnet.core.planner import OVERHEAD
+
+    assert store_capacity(256, None, 1 << 30) == 256 << 20
+    assert store_capacity(256, (300 << 20) + OVERHEAD, 200 << 20) == 100 << 20
+    assert store_capacity(256, 100 << 20, 200 << 20) == 0
 
 
 def test_a_generation_fed_from_a_cached_prefix_feeds_only_the_rest():
