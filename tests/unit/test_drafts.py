@@ -5,9 +5,21 @@ from meshnet.core.drafts import PROBE_EVERY, NgramProposer, best_length
 
 def test_it_drafts_what_followed_the_latest_earlier_occurrence_of_the_last_tokens():
     proposer = NgramProposer(max_drafts=4, kept_weight=100.0)   # drafts kept so far: as many as it may
-    proposer.extend([1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
-    assert proposer.propose(8) == [4, 5, 9, 9]
-    assert proposer.propose(2) == [4, 5]            # no more than the caller can use
+    passage = list(range(1, 13))
+    proposer.extend(passage + [40, 41, 1, 2] + passage)    # 12 tokens matched: a likely continuation
+    assert proposer.propose(8) == [40, 41, 1, 2]
+    assert proposer.propose(2) == [40, 41]          # no more than the caller can use
+
+
+def test_a_longer_match_drafts_more_and_the_rate_kept_lately_holds_its_odds_down():
+    short = NgramProposer(max_drafts=8, kept_weight=100.0)
+    short.extend([7, 1, 2, 3, 4, 5, 6, 8, 2, 3])          # [2, 3] matched, [8, 2, 3] not
+    long = NgramProposer(max_drafts=8, kept_weight=100.0)
+    long.extend(list(range(20)) + [1, 2, 3, 4, 5, 6] + list(range(20)))
+    assert 0 < len(short.propose(8)) < len(long.propose(8)) == 8
+    doubted = NgramProposer(max_drafts=8, kept_weight=1.0, refused_weight=3.0)   # 1 in 4 kept lately
+    doubted.extend(list(range(20)) + [1, 2, 3, 4, 5, 6] + list(range(20)))
+    assert doubted.odds(20) == 0.25 + 0.25 and len(doubted.propose(8)) < 8
 
 
 def test_the_longest_matching_suffix_wins_and_a_period_repeats_past_the_end():
@@ -15,7 +27,7 @@ def test_the_longest_matching_suffix_wins_and_a_period_repeats_past_the_end():
     proposer.extend([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3])   # [2, 3] last came before 7, [1, 2, 3] before 9
     assert proposer.propose(1) == [9]
     periodic = NgramProposer(max_drafts=5, kept_weight=100.0)
-    periodic.extend([4, 5, 4, 5, 4])
+    periodic.extend([4, 5] * 8 + [4])
     assert periodic.propose(5) == [5, 4, 5, 4, 5]
 
 
