@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 9
+#define MESHNET_ENGINE_ABI_VERSION 10
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -160,7 +160,10 @@ typedef struct {
  * order: penalties, top-k, top-p, min-p, temperature, then a draw. The draw for the token
  * at position p is seeded from (seed, p), and the penalties look at the session's tokens
  * so far, so the choice is a pure function of these parameters, the seed and the tokens
- * before it: whatever the route, and again after a replay. */
+ * before it: whatever the route, and again after a replay. A grammar (llama.cpp's GBNF,
+ * the rule "root" first) goes before the chain: the draw is among the tokens it takes after
+ * the history's tokens from grammar_from on (the prompt's length: the prompt is not
+ * constrained). */
 typedef struct {
     float    temperature;       /* <= 0: the most likely token after the penalties */
     int32_t  top_k;             /* <= 0: off */
@@ -171,6 +174,8 @@ typedef struct {
     float    frequency_penalty; /* 0: off */
     float    presence_penalty;  /* 0: off */
     uint64_t seed;
+    const char * grammar;       /* NULL or "": none; copied by meshnet_session_sampling */
+    int32_t  grammar_from;      /* the history's first token the grammar takes */
 } meshnet_sampling;
 
 typedef struct {
@@ -237,6 +242,13 @@ MESHNET_API meshnet_status meshnet_session_restore (meshnet_stage * stage, uint6
  * sampler; rows that end past it are refused: the tokens in between are unknown. */
 MESHNET_API meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_id,
                                     const meshnet_sampling * sampling, const int32_t * history, int32_t n_history);
+
+/* llama.cpp's GBNF for a JSON schema (common/json-schema-to-grammar, as llama-server
+ * builds it for response_format): *n_out is the bytes with the final NUL, written or
+ * needed (MESHNET_ERR_BUFFER_TOO_SMALL). A schema it cannot take: INVALID_ARGUMENT, with
+ * the reason in err. */
+MESHNET_API meshnet_status meshnet_json_schema_grammar(const char * schema, char * text, size_t capacity,
+                                    size_t * n_out, char * err, size_t err_cap);
 
 MESHNET_API meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries,
                                      int32_t n_entries, meshnet_output * out);

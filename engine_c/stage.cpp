@@ -10,6 +10,9 @@
 #include "llama-ext.h"
 #include "llama-model.h"
 
+#include "json-schema-to-grammar.h"
+#include "json.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -105,14 +109,25 @@ const arch_line * arch_line_of(const std::string & arch) {
     return nullptr;
 }
 
+struct sampler_free {
+    void operator()(llama_sampler * sampler) const { llama_sampler_free(sampler); }
+};
+
 struct session_slot {
     bool     open     = false;
     uint64_t id       = 0;
     int32_t  n_tokens = 0;
     bool                 sampled = false;   // the tail samples this session's tokens
-    meshnet_sampling     sampling = {};
+    meshnet_sampling     sampling = {};     // (its grammar pointer cleared: the text is kept below)
     std::vector<int32_t> history;           // with sampling: the session's tokens so far
     bool                 lost = false;      // a failed pass moved a recurrent state that cannot roll back
+    // a grammar: the text, where in the history its tokens start, and llama.cpp's grammar
+    // sampler fed history[grammar_from, grammar_fed): a cache of what that text and those
+    // tokens give, built again from them whenever the history went back before grammar_fed
+    std::string                                 grammar;
+    int32_t                                     grammar_from = 0;
+    size_t                                      grammar_fed  = 0;
+    std::unique_ptr<llama_sampler, sampler_free> grammar_state;
 };
 
 // the draw for the token at position pos: splitmix64 of (seed, pos), so that each
@@ -506,11 +521,59 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
     return MESHNET_OK;
 }
 
+// A session's grammar sampler, fed every token of its history from grammar_from on; null
+// when a token of the history is one the grammar does not take (err says which).
+llama_sampler * grammar_for(meshnet_stage * stage, session_slot & slot, std::string & err) {
+    if (!slot.grammar_state || slot.grammar_fed > slot.history.size()) {
+        slot.grammar_state.reset(llama_sampler_init_grammar(stage->vocab, slot.grammar.c_str(), "root"));
+        slot.grammar_fed = (size_t) slot.grammar_from;
+        if (!slot.grammar_state) {
+            err = "llama.cpp could not parse the grammar";
+            return nullptr;
+        }
+    }
+    try {
+        for (; slot.grammar_fed < slot.history.size(); ++slot.grammar_fed) {
+            llama_sampler_accept(slot.grammar_state.get(), slot.history[slot.grammar_fed]);
+        }
+    } catch (const std::exception & e) {
+        slot.grammar_state.reset();
+        err = format("token %d at position %zu does not follow the grammar: %s", slot.history[slot.grammar_fed],
+                     slot.grammar_fed, e.what());
+        return nullptr;
+    }
+    return slot.grammar_state.get();
+}
+
 // The token at position pos, from its logits, by llama.cpp's samplers. The chain is built
-// for this one draw, from the parameters and the history alone: nothing carries over.
-int32_t sample(meshnet_stage * stage, const session_slot & slot, const float * logits, int64_t pos) {
+// for this one draw, from the parameters and the history alone: nothing carries over (the
+// grammar's sampler is a cache of the history, see session_slot). A grammar, applied first,
+// leaves only the tokens it takes; then the chain draws among them. -1: the grammar
+// refused the history or left no token (err says why).
+int32_t sample(meshnet_stage * stage, session_slot & slot, const float * logits, int64_t pos, std::string & err) {
     const meshnet_sampling & p = slot.sampling;
     const int32_t n_vocab = stage->info.n_vocab;
+    stage->candidates.resize(n_vocab);
+    for (int32_t v = 0; v < n_vocab; ++v) {
+        stage->candidates[v] = llama_token_data{ v, logits[v], 0.0f };
+    }
+    llama_token_data_array cur = { stage->candidates.data(), (size_t) n_vocab, -1, false };
+    if (!slot.grammar.empty()) {
+        llama_sampler * grammar = grammar_for(stage, slot, err);
+        if (!grammar) {
+            return -1;
+        }
+        try {
+            llama_sampler_apply(grammar, &cur);
+        } catch (const std::exception & e) {
+            err = format("the grammar failed: %s", e.what());
+            return -1;
+        }
+        if (std::none_of(cur.data, cur.data + cur.size, [](const llama_token_data & d) { return std::isfinite(d.logit); })) {
+            err = "the grammar takes no token here";
+            return -1;
+        }
+    }
     llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
         const int32_t last_n = p.penalty_last_n < 0 ? stage->info.n_ctx : p.penalty_last_n;
@@ -537,11 +600,6 @@ int32_t sample(meshnet_stage * stage, const session_slot & slot, const float * l
         llama_sampler_chain_add(chain, llama_sampler_init_temp(p.temperature));
         llama_sampler_chain_add(chain, llama_sampler_init_dist(draw_seed(p.seed, pos)));
     }
-    stage->candidates.resize(n_vocab);
-    for (int32_t v = 0; v < n_vocab; ++v) {
-        stage->candidates[v] = llama_token_data{ v, logits[v], 0.0f };
-    }
-    llama_token_data_array cur = { stage->candidates.data(), (size_t) n_vocab, -1, false };
     llama_sampler_apply(chain, &cur);
     const int32_t token = cur.selected >= 0 && (size_t) cur.selected < cur.size ? cur.data[cur.selected].id : 0;
     llama_sampler_free(chain);
@@ -734,7 +792,11 @@ struct forward_pass {
         session_slot * slot = stage->find(entries[i].session_id);
         const int64_t next = (int64_t) entries[i].pos + entries[i].n_tokens;
         if (slot->sampled && next == (int64_t) slot->history.size()) {
-            sampled[i] = out->token[i] = sample(stage, *slot, logits, next);
+            std::string err;
+            sampled[i] = out->token[i] = sample(stage, *slot, logits, next, err);
+            if (sampled[i] < 0) {
+                return fail(MESHNET_ERR_INVALID_ARGUMENT, format("entry %d: %s; nothing was kept", i, err.c_str()));
+            }
         }
         return MESHNET_OK;
     }
@@ -756,7 +818,12 @@ struct forward_pass {
                 slot->history.resize(history);
                 return status;
             }
-            const int32_t draw = slot->sampled ? sample(stage, *slot, logits, (int64_t) e.pos + r + 1) : best;
+            std::string err;
+            const int32_t draw = slot->sampled ? sample(stage, *slot, logits, (int64_t) e.pos + r + 1, err) : best;
+            if (draw < 0) {
+                slot->history.resize(history);
+                return fail(MESHNET_ERR_INVALID_ARGUMENT, format("entry %d: %s; nothing was kept", i, err.c_str()));
+            }
             draws.push_back(draw);
             out->drawn[out_at[i] + r] = draw;
             if (r + 1 == e.n_tokens || e.tokens[r + 1] != draw) {
@@ -1240,6 +1307,8 @@ meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_
     if (!sampling) {
         slot->sampled = false;
         slot->history.clear();
+        slot->grammar.clear();
+        slot->grammar_state.reset();
         return MESHNET_OK;
     }
     if (!stage->info.is_tail) {
@@ -1263,9 +1332,48 @@ meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_
                     format("history token %d is %d, outside the vocabulary [0, %d)", i, history[i], stage->info.n_vocab));
         }
     }
+    const bool has_grammar = p.grammar && p.grammar[0];
+    if (has_grammar && (p.grammar_from < 0 || p.grammar_from > n_history)) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
+                format("grammar_from %d is outside the history of %d tokens", p.grammar_from, n_history));
+    }
+    std::unique_ptr<llama_sampler, sampler_free> grammar;
+    if (has_grammar) {
+        grammar.reset(llama_sampler_init_grammar(stage->vocab, p.grammar, "root"));
+        if (!grammar) {   // llama.cpp logs the parse error's place
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "the grammar is not valid GBNF with a rule named root");
+        }
+    }
     slot->sampled  = true;
     slot->sampling = p;
+    slot->sampling.grammar = nullptr;
     slot->history.assign(history, history + n_history);
+    slot->grammar      = has_grammar ? p.grammar : "";
+    slot->grammar_from = has_grammar ? p.grammar_from : 0;
+    slot->grammar_fed  = (size_t) slot->grammar_from;
+    slot->grammar_state = std::move(grammar);
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_json_schema_grammar(const char * schema, char * text, size_t capacity, size_t * n_out,
+                                           char * err, size_t err_cap) {
+    if (!schema || !n_out || (capacity > 0 && !text)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    std::string grammar;
+    try {
+        grammar = json_schema_to_grammar(common_json::parse(schema));
+    } catch (const std::exception & e) {
+        if (err && err_cap > 0) {
+            std::snprintf(err, err_cap, "%s", e.what());
+        }
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    *n_out = grammar.size() + 1;
+    if (capacity < grammar.size() + 1) {
+        return MESHNET_ERR_BUFFER_TOO_SMALL;
+    }
+    std::memcpy(text, grammar.c_str(), grammar.size() + 1);
     return MESHNET_OK;
 }
 

@@ -17,6 +17,7 @@ from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
 
 MAX_SEED = 2**64 - 1
+MAX_GRAMMAR_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Sampling:
     frequency_penalty: float = 0.0  # 0: off
     presence_penalty: float = 0.0   # 0: off
     seed: int = 0
+    # llama.cpp's GBNF (rule root first), taken by the generated tokens: structured output
+    # (a JSON schema's grammar: serve/structured.py) or a caller's own; "": none
+    grammar: str = ""
 
     def __post_init__(self):
         def number(name, low, high, integer=False):
@@ -50,14 +54,17 @@ class Sampling:
         number("frequency_penalty", -2.0, 2.0)
         number("presence_penalty", -2.0, 2.0)
         number("seed", 0, MAX_SEED, integer=True)
+        if not isinstance(self.grammar, str) or len(self.grammar.encode(errors="replace")) > MAX_GRAMMAR_BYTES:
+            raise MeshnetError(E.INVALID_ARGUMENT, f"grammar must be GBNF text of at most {MAX_GRAMMAR_BYTES} bytes",
+                               field="grammar")
         if self.repeat_penalty == 0.0:
             raise MeshnetError(E.INVALID_ARGUMENT, "repeat_penalty must be above 0 (1 is off)", field="repeat_penalty")
 
     @property
     def greedy(self) -> bool:
-        """Plain argmax: no temperature and no penalty."""
+        """Plain argmax: no temperature, no penalty and no grammar."""
         return (self.temperature <= 0.0 and self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0
-                and self.presence_penalty == 0.0)
+                and self.presence_penalty == 0.0 and not self.grammar)
 
     @property
     def uses_history(self) -> bool:

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -91,6 +91,21 @@ def library(gpu: bool = False):
 
 def engine_pin(gpu: bool = False) -> str:
     return _ffi.string(library(gpu).meshnet_engine_pin()).decode()
+
+
+def json_schema_grammar(schema: str) -> str:
+    """llama.cpp's GBNF for a JSON schema (its text), as llama-server builds it."""
+    lib = library()
+    schema_c = _ffi.new("char[]", schema.encode())
+    n_out = _ffi.new("size_t *")
+    err = _ffi.new("char[]", 1024)
+    status = lib.meshnet_json_schema_grammar(schema_c, _ffi.NULL, 0, n_out, err, len(err))
+    if status == lib.MESHNET_ERR_BUFFER_TOO_SMALL:
+        text = _ffi.new("char[]", n_out[0])
+        status = lib.meshnet_json_schema_grammar(schema_c, text, n_out[0], n_out, err, len(err))
+    if status != 0:
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"the JSON schema has no grammar: {_ffi.string(err).decode(errors='replace')}")
+    return _ffi.string(text).decode()
 
 
 @dataclass(frozen=True)
@@ -336,15 +351,20 @@ class Stage:
         self._check(self._lib.meshnet_session_restore(self._live(), session_id, _ffi.from_buffer(memory),
                                                       len(memory), n_tokens))
 
-    def set_sampling(self, session_id: int, sampling: Sampling | None, history: Sequence[int] = ()) -> None:
+    def set_sampling(self, session_id: int, sampling: Sampling | None, history: Sequence[int] = (),
+                     grammar_from: int | None = None) -> None:
         """The tail samples the session's tokens with these parameters from now on (None or
-        greedy: the most likely token); history is the session's tokens so far."""
+        greedy: the most likely token); history is the session's tokens so far, of which the
+        grammar, if any, takes those from grammar_from on (default: after the history)."""
         if sampling is None or sampling.greedy:
             self._check(self._lib.meshnet_session_sampling(self._live(), session_id, _ffi.NULL, _ffi.NULL, 0))
             return
+        grammar = _ffi.new("char[]", sampling.grammar.encode()) if sampling.grammar else _ffi.NULL
         raw = _ffi.new("meshnet_sampling *", {f: getattr(sampling, f) for f in (
             "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "penalty_last_n", "frequency_penalty",
             "presence_penalty", "seed")})
+        raw.grammar = grammar
+        raw.grammar_from = len(history) if grammar_from is None else grammar_from
         tokens = np.ascontiguousarray(history, dtype=np.int32)
         self._check(self._lib.meshnet_session_sampling(self._live(), session_id, raw,
                                                        _ffi.from_buffer("int32_t[]", tokens), len(tokens)))

@@ -29,12 +29,13 @@ from meshnet.core.drafts import MAX_DRAFTS
 from meshnet.net.fields import (BOOL, DICT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked, curve_key,
                                 endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens, u64)
 
-VERSION = 7   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 8   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
               #    the session's block keys in RELEASE); speculation (drafts per round in OPEN and
-              #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN)
+              #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN);
+              # 8: a grammar in OPEN's sampling, and where in the history its tokens start
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -109,6 +110,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "prev_key": (STR, False, curve_key),      # ... and the previous stage's, which may push to this one
         "sampling": (DICT, False, sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...
         "history": (LIST, False, tokens),         # ... knowing the tokens so far: the prompt (prompt_len of them)
+        "grammar_from": (INT, False, nonneg),     # ... of which the sampling's grammar takes those from here on
+                                                  # (a replay's prompt holds tokens generated under it; default prompt_len)
         "prefix": (LIST, False, block_keys),      # the prompt's block keys (core/prefix.py): start from a stored prefix
         "speculate": (INT, False, at_most(MAX_DRAFTS)),   # drafts per round at most (core/drafts.py); the head
                                                   # drafts from the history it is given (the prompt)

@@ -318,7 +318,9 @@ class SessionTable:
         session.cached = len(gen.prompt)
         # speculation is exact where a row's logits do not depend on the rows beside it;
         # a session that ships every token's logits decodes a token at a time
-        speculate = session.drafts if reuse and not session.want_logits else 0
+        # (and so does one under a grammar: each refused draft would set the grammar back to the prompt)
+        speculate = session.drafts if reuse and not session.want_logits and not (
+            session.sampling and session.sampling.grammar) else 0
         if speculate and session.speculation is None:
             session.speculation = {"drafts_max": speculate, "rounds": 0, "drafted": 0, "accepted": 0}
         for i, worker in enumerate(route):
@@ -336,6 +338,7 @@ class SessionTable:
                 sampling=session.sampling.to_wire() if i == last and session.sampling else None,
                 # the head drafts from the session's tokens: the prompt, then those it is fed
                 history=list(gen.prompt) if (i == last and session.sampling) or (i == 0 and speculate) else None,
+                grammar_from=gen.n_prompt if i == last and session.sampling and session.sampling.grammar else None,
                 prefix=session.prefix or None, speculate=speculate or None)))
 
     def _set_route(self, session: Session, route: list[WorkerRecord]) -> None:

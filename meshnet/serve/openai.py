@@ -16,6 +16,7 @@ from meshnet.core.conversation import answer_sampling
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
 from meshnet.engine import models
+from meshnet.serve.structured import grammar_of
 
 RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -32,7 +33,7 @@ ROLES = ("system", "developer", "user", "assistant")
 # field neither here nor in the request models below is refused whatever its value.
 OFF_VALUES = {
     "logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None,), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True),
     "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
@@ -82,6 +83,19 @@ class Message(_Body):
     name: str | None = None   # a participant's name: taken, without effect (the chat template has no place for it)
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    # (the field's own name is pydantic's BaseModel.schema's)
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None   # the grammar holds the answer to the schema whatever it says
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -98,6 +112,8 @@ class _Request(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None   # an end user's id, for OpenAI's abuse monitoring: taken, without effect
+    response_format: ResponseFormat | None = None   # structured output (serve/structured.py)
+    grammar: str | None = None   # llama-server's field: the answer follows this GBNF
 
 
 class ChatRequest(_Request):
@@ -110,7 +126,8 @@ class CompletionRequest(_Request):
 
 
 FIELD_NAMES = frozenset().union(*(model.model_fields for model in (ChatRequest, CompletionRequest, Message,
-                                                                    ContentPart, StreamOptions)))
+                                                                    ContentPart, StreamOptions, ResponseFormat)),
+                                {"schema"})
 
 
 def field_path(loc) -> str:
@@ -187,6 +204,10 @@ def check_request(body: _Request) -> None:
     _refuse_others(body)
     if body.stream_options is not None:
         _refuse_others(body.stream_options, "stream_options.")
+    if body.response_format is not None:
+        _refuse_others(body.response_format, "response_format.")
+        if body.response_format.json_schema is not None:
+            _refuse_others(body.response_format.json_schema, "response_format.json_schema.")
     for i, m in enumerate(body.messages if isinstance(body, ChatRequest) else []):
         where = f"messages[{i}]"
         _refuse_others(m, where + ".")
@@ -209,11 +230,14 @@ def check_request(body: _Request) -> None:
 
 def sampling_of(body: _Request) -> Sampling | None:
     """No temperature: greedy (meshnet's default). A temperature without a seed: a fresh
-    seed per request."""
+    seed per request. A response_format or grammar: the tail's grammar."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
-    if not given:
-        return None
     try:
+        grammar = grammar_of(body.response_format, body.grammar)
+        if grammar:
+            given["grammar"] = grammar
+        if not given:
+            return None
         return answer_sampling(Sampling(**given), "seed" in given)
     except MeshnetError as e:
         raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None

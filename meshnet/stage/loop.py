@@ -247,7 +247,9 @@ class StageLoop(threading.Thread):
         self.stage.open_session(job.sid)
         try:
             cached = self._restore_prefix(job.sid, m.get("prefix") or [])
-            self.stage.set_sampling(job.sid, sampling, history if sampling is not None else ())
+            # a replay's history holds the tokens generated before it: the grammar takes those too
+            grammar_from = m.get("grammar_from", m["prompt_len"])
+            self.stage.set_sampling(job.sid, sampling, history if sampling is not None else (), grammar_from)
         except MeshnetError:
             self.stage.release_session(job.sid)
             raise
@@ -255,7 +257,8 @@ class StageLoop(threading.Thread):
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
             gather=m.get("gather", False), restored=cached,
-            sampler=(sampling, history) if cached and sampling is not None else None, speculate=speculate)
+            sampler=(sampling, history, grammar_from) if cached and sampling is not None else None,
+            speculate=speculate)
         if speculate and self.info.is_head:
             self.sessions[job.sid].proposer = NgramProposer(speculate)
             self.sessions[job.sid].proposer.extend(history)
