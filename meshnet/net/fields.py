@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.prefix import MAX_BLOCKS
 from meshnet.core.sampling import Sampling
 
@@ -71,6 +72,12 @@ def seams(v):
                                   and 0 <= s[0] < 1 << 20 and -1 <= s[1] < 1 << 40 and 0 <= s[2] < 1 << 40 for s in v)
 
 
+def top_logprobs(v):
+    return len(v) <= MAX_TOP and all(
+        isinstance(t, (list, tuple)) and len(t) == 3 and is_int(t[0]) and 0 <= t[0] < MAX_VOCAB
+        and isinstance(t[1], float) and t[1] <= 0.0 and isinstance(t[2], bytes) and len(t[2]) <= 256 for t in v)
+
+
 def sampling(v):
     try:
         Sampling.from_wire(v)
@@ -101,6 +108,7 @@ def short_text(v):
 
 
 INT, STR, BOOL, LIST, DICT = (int,), (str,), (bool,), (list, tuple), (dict,)
+FLOAT = (float,)
 
 
 def checked(schema: dict, values: dict, where: str, rid, sid) -> dict:

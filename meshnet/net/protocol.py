@@ -26,8 +26,10 @@ import numpy as np
 from meshnet.core import errors as E
 from meshnet.net.capability import Capability
 from meshnet.core.drafts import MAX_DRAFTS
-from meshnet.net.fields import (BOOL, DICT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked, curve_key,
-                                endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens, u64)
+from meshnet.core.logprobs import MAX_TOP
+from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked,
+                                curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
+                                top_logprobs, u64)
 
 VERSION = 8   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
@@ -35,7 +37,8 @@ VERSION = 8   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
               #    the session's block keys in RELEASE); speculation (drafts per round in OPEN and
               #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN);
-              # 8: a grammar in OPEN's sampling, and where in the history its tokens start
+              # 8: a grammar in OPEN's sampling, and where in the history its tokens start;
+              #    logprobs in OPEN, and each token's in TOKEN
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -115,6 +118,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "prefix": (LIST, False, block_keys),      # the prompt's block keys (core/prefix.py): start from a stored prefix
         "speculate": (INT, False, at_most(MAX_DRAFTS)),   # drafts per round at most (core/drafts.py); the head
                                                   # drafts from the history it is given (the prompt)
+        "logprobs": (INT, False, lambda v: 0 <= v <= MAX_TOP),   # the tail: each token's log-probability
+                                                  # and those of this many most likely (core/logprobs.py)
     },
     CANCEL: {"sid": (INT, True, u64)},
     RELEASE: {"sid": (INT, True, u64),
@@ -167,6 +172,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "seams": (LIST, False, seams),            # as in ACT: since the tail's last TOKEN of this session
         "drafted": (INT, False, nonneg),          # a speculating session's decode round: its drafts ...
         "accepted": (INT, False, nonneg),         # ... and those kept (this token and the next ones follow)
+        "logprob": (FLOAT, False, lambda v: v <= 0.0),   # a session opened with logprobs: this token's ...
+        "top": (LIST, False, top_logprobs),       # ... and the most likely tokens': [token, logprob, piece]
     },
 }
 

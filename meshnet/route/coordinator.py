@@ -29,6 +29,7 @@ import numpy as np
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import Generation, StopRule
+from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.metrics import percentiles
 from meshnet.core.sampling import Sampling
 from meshnet.core.text import utf8_or_error
@@ -64,6 +65,7 @@ class SessionHandle:
         self.tokens: list[int] = []
         self.token_times: list[float] = []   # time.perf_counter() as each token reached the coordinator
         self.logits: list[np.ndarray] = []
+        self.logprobs: list[tuple[float, list]] = []   # with logprobs: each token's (see TokenEvent)
         self.text = b""
         self.metrics: dict = {}
         self.stop_reason: str | None = None
@@ -85,6 +87,8 @@ class SessionHandle:
                 self.text += event.piece
                 if event.logits is not None:
                     self.logits.append(event.logits)
+                if event.logprob is not None:
+                    self.logprobs.append(event.logprob)
                 yield event
             elif isinstance(event, Done):
                 self._done = True
@@ -192,16 +196,22 @@ class Coordinator:
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
                  stop_at_eog: bool = True, prefill_chunk: int | None = None,
-                 sampling: Sampling | None = None, speculate: int | None = None) -> SessionHandle:
+                 sampling: Sampling | None = None, speculate: int | None = None,
+                 logprobs: int | None = None) -> SessionHandle:
         """A new session: its tokens come from the tail, the most likely ones or, with
         sampling, llama.cpp's sampler chain's (seeded: the same on any route). SPECULATE:
-        drafts per round at most for this session (None: the coordinator's --speculate)."""
+        drafts per round at most for this session (None: the coordinator's --speculate).
+        LOGPROBS: each token's log-probability and those of this many most likely tokens,
+        in the handle's logprobs (0 to 20; None: none)."""
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP):
+            raise MeshnetError(E.INVALID_ARGUMENT, f"logprobs must be None or a count of 0 to {MAX_TOP}, "
+                               f"not {logprobs!r}")
         gen = Generation(list(prompt_tokens), StopRule(max_tokens, stop_at_eog), prefill_chunk or self.config.prefill_chunk,
                          tail_feeds_head=True)   # checks the request before anything starts
         sampling = None if sampling is None or sampling.greedy else sampling
         sid = next(self._sids)
         events = SessionEvents()
-        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling, speculate))
+        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling, speculate, logprobs))
         return SessionHandle(self, sid, events, list(prompt_tokens))
 
     def cancel(self, sid: int) -> None:

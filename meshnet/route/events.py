@@ -20,6 +20,9 @@ class TokenEvent:
     piece: bytes
     logits: np.ndarray | None
     cached: int = 0              # the prompt tokens restored from a stored prefix (known from the first token)
+    # a session opened with logprobs: (this token's log-probability, [(token, logprob, piece
+    # bytes)] of the most likely, most likely first)
+    logprob: tuple[float, list] | None = None
 
 
 @dataclass

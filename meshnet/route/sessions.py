@@ -74,6 +74,7 @@ class Session:
     prefix: list[int] = field(default_factory=list)    # the block keys its route may start it from
     cached: int = 0               # ... the prompt tokens every stage of it restored
     drafts: int = 0               # drafts per round it asks for (0: none)
+    logprobs: int | None = None   # each token's log-probability, and of this many most likely (the tail's)
     speculation: dict | None = None   # speculating: drafts_max, rounds, drafted, accepted (the tail's counts)
 
     def label(self, stage: int) -> str:
@@ -106,8 +107,9 @@ class SessionTable:
     # ---- events ------------------------------------------------------------------------
 
     def open(self, sid: int, gen: Generation, want_logits: bool, sampling: Sampling | None = None,
-             speculate: int | None = None) -> list[Effect]:
-        """SPECULATE: drafts per round at most (None: the table's)."""
+             speculate: int | None = None, logprobs: int | None = None) -> list[Effect]:
+        """SPECULATE: drafts per round at most (None: the table's). LOGPROBS: each token's
+        log-probability, and those of this many most likely tokens (None: none)."""
         try:
             route = self.route_for(None)
         except MeshnetError as e:
@@ -122,7 +124,8 @@ class SessionTable:
         # so other chunks would give other tokens
         gen.bound_chunks(min(w.capability.n_batch for w in route), fixed=numerics_class == numerics.STOCK)
         session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class,
-                                               drafts=self.speculate if speculate is None else speculate)
+                                               drafts=self.speculate if speculate is None else speculate,
+                                               logprobs=logprobs)
         self._open_route(session, route)
         return self._effects()
 
@@ -187,8 +190,10 @@ class SessionTable:
         logits = None
         if session.want_logits and msg.payload is not None:
             logits = np.frombuffer(msg.payload, dtype="<f4").copy()
+        top = msg.get("top")
         self._act(session, session.gen.tail_gave(msg["pos"], msg["n"], msg["token"], msg["eog"]),
-                  piece=msg.get("piece", b""), logits=logits)
+                  piece=msg.get("piece", b""), logits=logits,
+                  logprob=(msg["logprob"], [tuple(t) for t in top or ()]) if "logprob" in msg.fields else None)
         return self._effects()
 
     def stage_error(self, sid: int, worker: WorkerRecord, code: str, message: str) -> list[Effect]:
@@ -319,7 +324,8 @@ class SessionTable:
         # speculation is exact where a row's logits do not depend on the rows beside it;
         # a session that ships every token's logits decodes a token at a time
         # (and so does one under a grammar: each refused draft would set the grammar back to the prompt)
-        speculate = session.drafts if reuse and not session.want_logits and not (
+        # (and one whose tokens' log-probabilities are asked for: the tail has a round's last row's logits only)
+        speculate = session.drafts if reuse and not session.want_logits and session.logprobs is None and not (
             session.sampling and session.sampling.grammar) else 0
         if speculate and session.speculation is None:
             session.speculation = {"drafts_max": speculate, "rounds": 0, "drafted": 0, "accepted": 0}
@@ -339,7 +345,8 @@ class SessionTable:
                 # the head drafts from the session's tokens: the prompt, then those it is fed
                 history=list(gen.prompt) if (i == last and session.sampling) or (i == 0 and speculate) else None,
                 grammar_from=gen.n_prompt if i == last and session.sampling and session.sampling.grammar else None,
-                prefix=session.prefix or None, speculate=speculate or None)))
+                prefix=session.prefix or None, speculate=speculate or None,
+                logprobs=session.logprobs if i == last else None)))
 
     def _set_route(self, session: Session, route: list[WorkerRecord]) -> None:
         session.route = route
@@ -347,7 +354,8 @@ class SessionTable:
         session.hops_us = [[] for _ in route[1:]]
         session.crossings = [0 for _ in route[1:]]
 
-    def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None) -> None:
+    def _act(self, session: Session, actions: list, piece: bytes = b"", logits: np.ndarray | None = None,
+             logprob: tuple | None = None) -> None:
         """Carry out what the session's generation asks for."""
         for action in actions:
             if isinstance(action, FeedHead):
@@ -360,7 +368,8 @@ class SessionTable:
                     elapsed_ms = (self.clock() - session.resumes[-1].pop("lost_at")) * 1000
                     session.resumes[-1]["elapsed_ms"] = round(elapsed_ms, 1)
                     self.resume_ms.append(elapsed_ms)
-                self._out.append(Emit(session.sid, TokenEvent(action.token, piece, logits, session.gen.cached)))
+                self._out.append(Emit(session.sid, TokenEvent(action.token, piece, logits, session.gen.cached,
+                                                              logprob)))
             elif isinstance(action, Finish) and action.reason != "error":
                 self.counters["sessions_completed"] += 1
                 # the stages keep what it computed for a session that starts the same way: the

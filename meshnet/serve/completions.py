@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
-from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, sampling_of, sse
+from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, logprobs_of, sampling_of, sse
 
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
@@ -90,7 +90,8 @@ class Session:
     reach the request through an asyncio queue. The slot is given back once the
     coordinator has ended the session."""
 
-    def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Slots):
+    def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Slots,
+                 logprobs: int | None = None):
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.lock = threading.Lock()
@@ -100,7 +101,7 @@ class Session:
         self._get: asyncio.Future | None = None
         self._check_at = time.monotonic() + DISCONNECT_POLL_S
         slots.hold(self)
-        threading.Thread(target=self._run, args=(coordinator, tokens, max_tokens, sampling, slots),
+        threading.Thread(target=self._run, args=(coordinator, tokens, max_tokens, sampling, logprobs, slots),
                          name="meshnet-serve-session", daemon=True).start()
 
     def _put(self, kind: str, value) -> None:
@@ -109,12 +110,12 @@ class Session:
         except RuntimeError:
             pass   # the server has stopped: nobody listens
 
-    def _run(self, coordinator, tokens, max_tokens, sampling, slots) -> None:
+    def _run(self, coordinator, tokens, max_tokens, sampling, logprobs, slots) -> None:
         final = ("error", MeshnetError(errors.CANCELLED, "the request was cancelled"))
         try:
             with self.lock:
                 if not self.cancelled:
-                    self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling)
+                    self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling, logprobs=logprobs)
             if self.handle is not None:
                 for event in self.handle:
                     self._put("token", event)
@@ -165,14 +166,26 @@ class Session:
 
 
 class Answer:
-    """The text of one answer, piece by piece as it may be shown, and how it ended."""
+    """The text of one answer, piece by piece as it may be shown, and how it ended; with
+    logprobs, each token's (take_logprobs: those of the tokens since the last call)."""
 
-    def __init__(self, session: Session, first, stops: list[str]):
+    def __init__(self, session: Session, first, stops: list[str], logprobs: bool = False):
         self.session, self.first = session, first
         self.scanner = StopScanner(stops)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.n_tokens = 0
         self.finish_reason: str | None = None
+        self.logprobs: list | None = [] if logprobs else None   # (piece, logprob, top) of tokens not yet taken
+        self.text_offset = 0   # the text given before the entries not yet taken
+
+    def take_logprobs(self, text: str = "") -> tuple[list | None, int]:
+        """The entries of the tokens since the last call and where their text starts; TEXT:
+        what the caller gives with them."""
+        if self.logprobs is None:
+            return None, 0
+        entries, offset = self.logprobs, self.text_offset
+        self.logprobs, self.text_offset = [], offset + len(text)
+        return entries, offset
 
     async def texts(self, request: Request):
         event, ended = self.first, False
@@ -183,6 +196,8 @@ class Answer:
                     raise self.session.reason or value
                 if kind == "token":
                     self.n_tokens += 1
+                    if self.logprobs is not None and value.logprob is not None:
+                        self.logprobs.append((value.piece, value.logprob[0], value.logprob[1]))
                     text, stopped = self.scanner.feed(self.decoder.decode(value.piece))
                 else:
                     text, stopped = self.scanner.feed(self.decoder.decode(b"", final=True))
@@ -229,8 +244,9 @@ class Completions:
             raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
                            param="n")
         sampling = sampling_of(body)
+        logprobs = body.logprobs_asked()
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling)
+        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs)
         try:   # the session's first event: an error before it is the request's status
             first = await session.next(request)
         except ClientGone:
@@ -239,7 +255,7 @@ class Completions:
             return Response(status_code=499)
         if first[0] == "error":
             raise ApiError.of(session.reason or first[1])
-        answer = Answer(session, first, stops)
+        answer = Answer(session, first, stops, logprobs=logprobs is not None)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model}
@@ -248,14 +264,16 @@ class Completions:
                 text = "".join([t async for t in answer.texts(request)])
             except ClientGone:
                 return Response(status_code=499)
-            return dict(head, choices=[choice(chat, text, answer.finish_reason, False)], usage=_usage(tokens, answer))
+            entries, _ = answer.take_logprobs()
+            return dict(head, choices=[choice(chat, text, answer.finish_reason, False, logprobs_of(chat, entries))],
+                        usage=_usage(tokens, answer))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
         return StreamingResponse(_events(request, answer, head, chat, tokens, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _open(self, chat: bool, tokens_of, max_tokens: int | None,
-                    sampling: Sampling | None) -> tuple[Session, list[int]]:
+    async def _open(self, chat: bool, tokens_of, max_tokens: int | None, sampling: Sampling | None,
+                    logprobs: int | None) -> tuple[Session, list[int]]:
         """A slot and a session for the prompt; ApiError when either cannot be had."""
         n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
         if not self.slots.take(n_slots):
@@ -274,7 +292,8 @@ class Completions:
             if len(tokens) >= n_ctx:
                 raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
                                code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
-            return Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots), tokens
+            return Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots,
+                           logprobs), tokens
         except BaseException:
             self.slots.give()
             raise
@@ -291,7 +310,8 @@ def _usage(tokens: list[int], answer: Answer) -> dict:
 async def _events(request: Request, answer: Answer, head: dict, chat: bool, tokens: list[int], include_usage: bool):
     """The answer as server-sent events, OpenAI's chunks, ending with [DONE]."""
     def chunk(text, finish=None, role=False):
-        piece = choice(chat, text, finish, True)
+        entries, offset = answer.take_logprobs(text or "") if text else (None, 0)
+        piece = choice(chat, text, finish, True, logprobs_of(chat, entries, offset))
         if role:
             piece["delta"] = {"role": "assistant", "content": ""}
         return sse(dict(head, choices=[piece], **({"usage": None} if include_usage else {})))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from meshnet.core import errors
 from meshnet.core.conversation import answer_sampling
 from meshnet.core.errors import MeshnetError
+from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import Sampling
 from meshnet.engine import models
 from meshnet.serve.structured import grammar_of
@@ -32,7 +33,7 @@ ROLES = ("system", "developer", "user", "assistant")
 # (unsupported_field), never ignored, since the answer would not be what was asked. A
 # field neither here nor in the request models below is refused whatever its value.
 OFF_VALUES = {
-    "logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}), "echo": (None, False),
+    "logit_bias": (None, {}), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True),
     "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
@@ -119,10 +120,21 @@ class _Request(_Body):
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)   # with logprobs: this many most likely tokens too
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", code=errors.INVALID_ARGUMENT, param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)   # each token's, and this many most likely tokens'
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 FIELD_NAMES = frozenset().union(*(model.model_fields for model in (ChatRequest, CompletionRequest, Message,
@@ -257,12 +269,38 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def choice(chat: bool, text: str | None, finish: str | None, stream: bool) -> dict:
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def logprobs_of(chat: bool, entries: list | None, text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs of a choice (or a chunk's) from the tail's entries: each token's
+    (piece, logprob, [(token, logprob, piece)] of the most likely). None: none asked."""
+    if entries is None:
+        return None
+    if chat:
+        def one(piece, logprob):
+            return {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
+        return {"content": [dict(one(piece, logprob), top_logprobs=[one(p, lp) for _, lp, p in top])
+                            for piece, logprob, top in entries], "refusal": None}
+    offsets, at = [], text_offset
+    for piece, _, _ in entries:
+        offsets.append(at)
+        at += len(_token_text(piece))
+    return {"tokens": [_token_text(piece) for piece, _, _ in entries],
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [{_token_text(p): lp for _, lp, p in top} for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def choice(chat: bool, text: str | None, finish: str | None, stream: bool, logprobs: dict | None = None) -> dict:
     if not chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if stream:
-        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}
 
 
 def model_id(model: str | None) -> str:

@@ -23,6 +23,7 @@ from meshnet.core import errors as E
 from meshnet.core.drafts import NgramProposer
 from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import StopRule, tail_step
+from meshnet.core.logprobs import logprobs
 from meshnet.core.metrics import percentiles
 from meshnet.core.prefix import BLOCK
 from meshnet.core.sampling import Sampling
@@ -258,7 +259,7 @@ class StageLoop(threading.Thread):
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
             gather=m.get("gather", False), restored=cached,
             sampler=(sampling, history, grammar_from) if cached and sampling is not None else None,
-            speculate=speculate)
+            speculate=speculate, logprobs=m.get("logprobs") if self.info.is_tail else None)
         if speculate and self.info.is_head:
             self.sessions[job.sid].proposer = NgramProposer(speculate)
             self.sessions[job.sid].proposer.extend(history)
@@ -432,7 +433,7 @@ class StageLoop(threading.Thread):
                 self.hops_us.append(hop_us)
             self.seam_bytes_in += nbytes
             seams.append([session.stage - 1, hop_us, nbytes])
-        step.want_logits = self.info.is_tail and session.want_logits
+        step.want_logits = self.info.is_tail and (session.want_logits or session.logprobs is not None)
         step.meta = Input(session, seams, bool(msg.get("ack")), time.monotonic())
         if self.info.is_head and not msg.get("ack"):
             session.decoding = True
@@ -552,6 +553,12 @@ class StageLoop(threading.Thread):
             t0_ns = time.monotonic_ns()
             session.n_generated += 1
             logits = result.logits if i == len(tokens) - 1 else None
+            logprob, top = None, None
+            if session.logprobs is not None and logits is not None:   # (a session with them drafts nothing)
+                logprob, top = logprobs(logits, token, session.logprobs)
+                top = [[t, p, self.stage.detokenize_bytes([t])] for t, p in top]
+            if not session.want_logits:
+                logits = None
             if self.test_fault == "wrong_logits" and logits is not None:
                 logits = logits + 0.25
             drafted = step.n - 1 if decode_round and i == 0 else None
@@ -559,7 +566,7 @@ class StageLoop(threading.Thread):
                 P.TOKEN, 0, payload=None if logits is None else P.f32_payload(logits), sid=step.sid, key=session.key,
                 pos=pos, n=n, token=token, eog=is_eog, piece=self.stage.detokenize_bytes([token]),
                 logits_n=None if logits is None else len(logits), seams=session.seams or None,
-                drafted=drafted, accepted=None if drafted is None else len(tokens) - 1))
+                drafted=drafted, accepted=None if drafted is None else len(tokens) - 1, logprob=logprob, top=top))
             session.seams = []
             self._traced("send_reply", step.sid, pos, n, t0_ns)
 

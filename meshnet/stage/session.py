@@ -33,6 +33,7 @@ class StageSession:
     proposer: NgramProposer | None = None    # the head's, when it drafts
     offered: tuple[int, list[int], float] | None = None   # the head: the round in flight (position, drafts, when)
     n_generated: int = 0
+    logprobs: int | None = None   # the tail: each token's log-probability, and of this many most likely
     seams: list = field(default_factory=list)   # the tail: seams crossed since its last TOKEN
 
     def crossed(self, seams: list) -> None:

@@ -132,9 +132,6 @@ def test_a_lone_surrogate_in_any_text_is_a_400_naming_the_field(server, path, bo
 
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
 NOT_HONOURED = [   # (param, a request refused for it, requests at its "off" values: answered as without it)
-    ("logprobs", chat(logprobs=True), [chat(logprobs=False), chat(logprobs=None)]),
-    ("logprobs", completion(logprobs=0), [completion(logprobs=None)]),   # 0 is not false: the chosen token's own
-    ("top_logprobs", chat(top_logprobs=2), [chat(top_logprobs=None)]),
     ("logit_bias", chat(logit_bias={"42": 100}), [chat(logit_bias={}), chat(logit_bias=None)]),
     ("tools", chat(tools=[TOOL]), [chat(tools=[])]),
     ("tool_choice", chat(tool_choice="required"), [chat(tool_choice="none")]),

@@ -1,14 +1,18 @@
-"""Structured output through `meshnet serve` and the real `openai` client: a JSON schema's
-grammar (llama.cpp's json-schema-to-grammar) at the tail, json_object, and a raw GBNF
-grammar; a schema or format the engine cannot take is a 400 in OpenAI's shape."""
+"""What clients build on, through `meshnet serve` and the real `openai` client (SmolLM2,
+two worker processes): structured output (a JSON schema's grammar, llama.cpp's
+json-schema-to-grammar, at the tail; json_object; a raw GBNF grammar) and logprobs. A
+schema, format or count the engine cannot take is a 400 in OpenAI's shape."""
 
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
+
+from meshnet.engine.binding import Entry, Stage
 
 from conftest import serving
 
@@ -94,3 +98,64 @@ def test_a_grammar_that_is_not_gbnf_is_a_400_and_the_server_goes_on(client):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"grammar": "root ::= ("})
     assert bad.value.status_code == 400 and "grammar" in bad.value.body["message"], bad.value.body
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+# ---- logprobs: the tail's log-softmax of the logits it has
+
+def greedy_log_softmax(path, messages, n):
+    """The whole model's greedy tokens for MESSAGES, and its log-softmax before each."""
+    with Stage(path, None, n_ctx=1024, max_sessions=1) as whole:
+        prompt = whole.tokenize(whole.chat_template(messages), parse_special=True)
+        whole.open_session(1)
+        out = whole.forward([Entry(1, 0, tokens=np.array(prompt))])
+        tokens, rows = [int(out.token[0])], [out.logits[0]]
+        while len(tokens) < n:
+            out = whole.forward([Entry(1, len(prompt) + len(tokens) - 1, tokens=np.array(tokens[-1:]))])
+            tokens.append(int(out.token[0]))
+            rows.append(out.logits[0])
+        pieces = {t: whole.detokenize_bytes([t]) for t in range(whole.n_vocab)}
+    rows = np.array(rows, dtype=np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    return tokens, rows - (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))), pieces
+
+
+def test_top_logprobs_lead_with_the_greedy_token_and_agree_with_the_whole_models_log_softmax(client, smollm2_path):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 12
+    assert "".join(c.token for c in content) == reply.choices[0].message.content
+    tokens, want, pieces = greedy_log_softmax(smollm2_path, ASK, 12)
+    for i, c in enumerate(content):
+        assert bytes(c.bytes) == pieces[tokens[i]] and abs(c.logprob - want[i, tokens[i]]) < 1e-4
+        assert len(c.top_logprobs) == 5 and c.top_logprobs[0].token == c.token   # greedy: the top-1 is the token
+        best = np.argsort(-want[i], kind="stable")[:5]
+        assert [bytes(a.bytes) for a in c.top_logprobs] == [pieces[t] for t in best]
+        assert max(abs(a.logprob - want[i, t]) for a, t in zip(c.top_logprobs, best)) < 1e-4
+
+
+def test_streamed_logprobs_are_the_unstreamed_ones_and_completions_give_theirs(client):
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=10, logprobs=True, top_logprobs=2, temperature=0.8, seed=4)
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, logprobs=3)
+    lp = reply.choices[0].logprobs
+    assert "".join(lp.tokens) == reply.choices[0].text and len(lp.token_logprobs) == 6
+    assert all(len(top) == 3 and max(top.values()) >= chosen - 1e-9 for top, chosen in zip(lp.top_logprobs,
+                                                                                          lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/completions", {"logprobs": 21}, "logprobs"),
+    ("/completions", {"logprobs": True}, "logprobs"),
+])
+def test_logprobs_beyond_20_or_of_the_wrong_kind_are_a_400(client, path, extra, param):
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": ASK} if "chat" in path else {"prompt": "Hello"}), **extra}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.post(path, body=body, cast_to=object)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
