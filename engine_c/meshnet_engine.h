@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 10
+#define MESHNET_ENGINE_ABI_VERSION 11
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -176,6 +176,11 @@ typedef struct {
     uint64_t seed;
     const char * grammar;       /* NULL or "": none; copied by meshnet_session_sampling */
     int32_t  grammar_from;      /* the history's first token the grammar takes */
+    int32_t  grammar_lazy;      /* nonzero: the grammar holds from the first trigger on (a tool call) */
+    const char * const * trigger_patterns;   /* regexes over the text generated so far */
+    int32_t  n_trigger_patterns;
+    const int32_t * trigger_tokens;
+    int32_t  n_trigger_tokens;
 } meshnet_sampling;
 
 typedef struct {
@@ -249,6 +254,22 @@ MESHNET_API meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint6
  * the reason in err. */
 MESHNET_API meshnet_status meshnet_json_schema_grammar(const char * schema, char * text, size_t capacity,
                                     size_t * n_out, char * err, size_t err_cap);
+
+/* The model's Jinja chat template applied by llama.cpp's common chat code, as llama-server
+ * applies it. request: JSON {"messages": OpenAI's messages (tool calls and results too),
+ * "tools": OpenAI's tools, "tool_choice": "auto" | "none" | "required", "parallel_tool_calls",
+ * "add_generation_prompt"}. The answer (JSON, NUL-terminated; *n_out bytes written, or needed
+ * with MESHNET_ERR_BUFFER_TOO_SMALL): {"prompt", "grammar", "grammar_lazy",
+ * "trigger_patterns", "trigger_tokens" (for meshnet_sampling), "additional_stops",
+ * "generation_prompt", "format", "format_name", "parser"}. A model without a tool-call format
+ * takes tools in the generic format. */
+MESHNET_API meshnet_status meshnet_chat_apply(meshnet_stage * stage, const char * request, char * out,
+                                    size_t capacity, size_t * n_out);
+/* The text an answer gave, as an OpenAI message (JSON: content, tool_calls), parsed by the
+ * format of a meshnet_chat_apply answer (chat: that answer's JSON, or its format,
+ * generation_prompt and parser). is_partial: the text may go on (a stream). */
+MESHNET_API meshnet_status meshnet_chat_parse(meshnet_stage * stage, const char * chat, const char * text,
+                                    int32_t is_partial, char * out, size_t capacity, size_t * n_out);
 
 MESHNET_API meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries,
                                      int32_t n_entries, meshnet_output * out);

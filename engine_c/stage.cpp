@@ -10,6 +10,8 @@
 #include "llama-ext.h"
 #include "llama-model.h"
 
+#include "chat.h"
+#include "common.h"
 #include "json-schema-to-grammar.h"
 #include "json.h"
 
@@ -125,6 +127,9 @@ struct session_slot {
     // sampler fed history[grammar_from, grammar_fed): a cache of what that text and those
     // tokens give, built again from them whenever the history went back before grammar_fed
     std::string                                 grammar;
+    bool                                        grammar_lazy = false;   // it starts at a trigger
+    std::vector<std::string>                    trigger_patterns;
+    std::vector<llama_token>                    trigger_tokens;
     int32_t                                     grammar_from = 0;
     size_t                                      grammar_fed  = 0;
     std::unique_ptr<llama_sampler, sampler_free> grammar_state;
@@ -205,6 +210,7 @@ struct meshnet_stage {
     std::vector<llama_token_data> candidates; // the sampler's working array, n_vocab long
     std::atomic<bool>         abort_requested{false};
     std::string               last_error;
+    common_chat_templates_ptr chat_templates;   // the GGUF's Jinja template, parsed on first use
 
     meshnet_status fail(meshnet_status status, std::string message) {
         last_error = std::move(message);
@@ -521,11 +527,25 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
     return MESHNET_OK;
 }
 
+llama_sampler * new_grammar(const llama_vocab * vocab, const std::string & grammar, bool lazy,
+                            const std::vector<std::string> & patterns, const std::vector<llama_token> & tokens) {
+    if (!lazy) {
+        return llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
+    }
+    std::vector<const char *> patterns_c;
+    for (const std::string & pattern : patterns) {
+        patterns_c.push_back(pattern.c_str());
+    }
+    return llama_sampler_init_grammar_lazy_patterns(vocab, grammar.c_str(), "root", patterns_c.data(), patterns_c.size(),
+                                                    tokens.data(), tokens.size());
+}
+
 // A session's grammar sampler, fed every token of its history from grammar_from on; null
 // when a token of the history is one the grammar does not take (err says which).
 llama_sampler * grammar_for(meshnet_stage * stage, session_slot & slot, std::string & err) {
     if (!slot.grammar_state || slot.grammar_fed > slot.history.size()) {
-        slot.grammar_state.reset(llama_sampler_init_grammar(stage->vocab, slot.grammar.c_str(), "root"));
+        slot.grammar_state.reset(new_grammar(stage->vocab, slot.grammar, slot.grammar_lazy, slot.trigger_patterns,
+                                             slot.trigger_tokens));
         slot.grammar_fed = (size_t) slot.grammar_from;
         if (!slot.grammar_state) {
             err = "llama.cpp could not parse the grammar";
@@ -1337,9 +1357,32 @@ meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT,
                 format("grammar_from %d is outside the history of %d tokens", p.grammar_from, n_history));
     }
+    if (has_grammar && (p.n_trigger_patterns < 0 || p.n_trigger_tokens < 0 ||
+                        (p.n_trigger_patterns > 0 && !p.trigger_patterns) || (p.n_trigger_tokens > 0 && !p.trigger_tokens))) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "a lazy grammar's triggers are given as counts and arrays");
+    }
+    std::vector<std::string> patterns;
+    std::vector<llama_token> trigger_tokens;
+    for (int32_t i = 0; has_grammar && i < p.n_trigger_patterns; ++i) {
+        if (!p.trigger_patterns[i]) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("trigger pattern %d is NULL", i));
+        }
+        patterns.emplace_back(p.trigger_patterns[i]);
+    }
+    for (int32_t i = 0; has_grammar && i < p.n_trigger_tokens; ++i) {
+        if (p.trigger_tokens[i] < 0 || p.trigger_tokens[i] >= stage->info.n_vocab) {
+            return stage->fail(MESHNET_ERR_BAD_TOKEN, format("trigger token %d is %d, outside the vocabulary", i,
+                                                             p.trigger_tokens[i]));
+        }
+        trigger_tokens.push_back(p.trigger_tokens[i]);
+    }
     std::unique_ptr<llama_sampler, sampler_free> grammar;
     if (has_grammar) {
-        grammar.reset(llama_sampler_init_grammar(stage->vocab, p.grammar, "root"));
+        try {   // (a pattern that is not a regex throws)
+            grammar.reset(new_grammar(stage->vocab, p.grammar, p.grammar_lazy != 0, patterns, trigger_tokens));
+        } catch (const std::exception & e) {
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the grammar's triggers: %s", e.what()));
+        }
         if (!grammar) {   // llama.cpp logs the parse error's place
             return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "the grammar is not valid GBNF with a rule named root");
         }
@@ -1347,12 +1390,110 @@ meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_
     slot->sampled  = true;
     slot->sampling = p;
     slot->sampling.grammar = nullptr;
+    slot->sampling.trigger_patterns = nullptr;
+    slot->sampling.trigger_tokens = nullptr;
+    slot->grammar_lazy     = has_grammar && p.grammar_lazy != 0;
+    slot->trigger_patterns = std::move(patterns);
+    slot->trigger_tokens   = std::move(trigger_tokens);
     slot->history.assign(history, history + n_history);
     slot->grammar      = has_grammar ? p.grammar : "";
     slot->grammar_from = has_grammar ? p.grammar_from : 0;
     slot->grammar_fed  = (size_t) slot->grammar_from;
     slot->grammar_state = std::move(grammar);
     return MESHNET_OK;
+}
+
+// what a text answer of ours is: a string into a caller's buffer, its size with the NUL in *n_out
+meshnet_status give_text(meshnet_stage * stage, const std::string & text, char * out, size_t capacity, size_t * n_out) {
+    *n_out = text.size() + 1;
+    if (capacity < text.size() + 1) {
+        return stage ? stage->fail(MESHNET_ERR_BUFFER_TOO_SMALL, format("the answer needs %zu bytes", text.size() + 1))
+                     : MESHNET_ERR_BUFFER_TOO_SMALL;
+    }
+    std::memcpy(out, text.c_str(), text.size() + 1);
+    return MESHNET_OK;
+}
+
+meshnet_status meshnet_chat_apply(meshnet_stage * stage, const char * request, char * out, size_t capacity,
+                                  size_t * n_out) {
+    if (!stage || !request || !n_out || (capacity > 0 && !out)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    common_json answer;
+    try {
+        if (!stage->chat_templates) {
+            stage->chat_templates = common_chat_templates_init(stage->model, "");
+        }
+        const common_json body = common_json::parse(request);
+        common_chat_templates_inputs inputs;
+        inputs.messages = common_chat_msgs_parse_oaicompat(body.at("messages"));
+        if (body.contains("tools") && !body.at("tools").is_null()) {
+            inputs.tools = common_chat_tools_parse_oaicompat(body.at("tools"));
+        }
+        inputs.tool_choice = common_chat_tool_choice_parse_oaicompat(body.value("tool_choice", std::string("auto")));
+        inputs.parallel_tool_calls = body.value("parallel_tool_calls", false);
+        inputs.add_generation_prompt = body.value("add_generation_prompt", true);
+        inputs.use_jinja = true;
+        inputs.enable_thinking = false;
+        const common_chat_params params = common_chat_templates_apply(stage->chat_templates.get(), inputs);
+        // the lazy grammar's triggers as common/sampling.cpp makes them: patterns and tokens
+        common_json patterns = common_json::array();
+        common_json tokens = common_json::array();
+        for (const common_grammar_trigger & trigger : params.grammar_triggers) {
+            switch (trigger.type) {
+                case COMMON_GRAMMAR_TRIGGER_TYPE_WORD:    patterns.push_back(regex_escape(trigger.value)); break;
+                case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN: patterns.push_back(trigger.value); break;
+                case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL: {
+                    const std::string & p = trigger.value;
+                    patterns.push_back(p.empty() ? std::string("^$")
+                                                 : (p.front() != '^' ? "^" : "") + p + (p.back() != '$' ? "$" : ""));
+                    break;
+                }
+                case COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN:   tokens.push_back((int64_t) trigger.token); break;
+            }
+        }
+        common_json stops = common_json::array();
+        for (const std::string & stop : params.additional_stops) {
+            stops.push_back(stop);
+        }
+        answer = common_json::object();
+        answer["prompt"] = params.prompt;
+        answer["grammar"] = params.grammar;
+        answer["grammar_lazy"] = params.grammar_lazy;
+        answer["trigger_patterns"] = patterns;
+        answer["trigger_tokens"] = tokens;
+        answer["additional_stops"] = stops;
+        answer["generation_prompt"] = params.generation_prompt;
+        answer["format"] = (int64_t) params.format;
+        answer["format_name"] = std::string(common_chat_format_name(params.format));
+        answer["parser"] = params.parser;
+    } catch (const std::exception & e) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the chat template could not take the request: %s", e.what()));
+    }
+    return give_text(stage, answer.dump(), out, capacity, n_out);
+}
+
+meshnet_status meshnet_chat_parse(meshnet_stage * stage, const char * chat, const char * text, int32_t is_partial,
+                                  char * out, size_t capacity, size_t * n_out) {
+    if (!stage || !chat || !text || !n_out || (capacity > 0 && !out)) {
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    std::string message;
+    try {
+        const common_json params = common_json::parse(chat);
+        common_chat_parser_params syntax;
+        syntax.format = (common_chat_format) params.at("format").get<int64_t>();
+        syntax.generation_prompt = params.value("generation_prompt", std::string());
+        syntax.parse_tool_calls = true;
+        const std::string parser = params.value("parser", std::string());
+        if (!parser.empty()) {
+            syntax.parser.load(parser);
+        }
+        message = common_chat_parse(text, is_partial != 0, syntax).to_json_oaicompat().dump();
+    } catch (const std::exception & e) {
+        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the answer could not be parsed: %s", e.what()));
+    }
+    return give_text(stage, message, out, capacity, n_out);
 }
 
 meshnet_status meshnet_json_schema_grammar(const char * schema, char * text, size_t capacity, size_t * n_out,

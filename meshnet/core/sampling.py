@@ -34,6 +34,11 @@ class Sampling:
     # llama.cpp's GBNF (rule root first), taken by the generated tokens: structured output
     # (a JSON schema's grammar: serve/structured.py) or a caller's own; "": none
     grammar: str = ""
+    # a lazy grammar holds from the first match of one of these regexes over the text
+    # generated, or the first of these tokens, on (a tool call's, by the chat template's format)
+    grammar_lazy: bool = False
+    trigger_patterns: tuple[str, ...] = ()
+    trigger_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         def number(name, low, high, integer=False):
@@ -57,6 +62,14 @@ class Sampling:
         if not isinstance(self.grammar, str) or len(self.grammar.encode(errors="replace")) > MAX_GRAMMAR_BYTES:
             raise MeshnetError(E.INVALID_ARGUMENT, f"grammar must be GBNF text of at most {MAX_GRAMMAR_BYTES} bytes",
                                field="grammar")
+        if not isinstance(self.grammar_lazy, bool):
+            raise MeshnetError(E.INVALID_ARGUMENT, "grammar_lazy must be true or false", field="grammar_lazy")
+        for name, kind in (("trigger_patterns", str), ("trigger_tokens", int)):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(
+                    isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                raise MeshnetError(E.INVALID_ARGUMENT, f"{name} must be at most 64 {kind.__name__}s", field=name)
+            object.__setattr__(self, name, tuple(value))   # (from the wire: a list)
         if self.repeat_penalty == 0.0:
             raise MeshnetError(E.INVALID_ARGUMENT, "repeat_penalty must be above 0 (1 is off)", field="repeat_penalty")
 

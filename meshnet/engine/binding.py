@@ -6,6 +6,7 @@ into residual rows or logits, with numpy arrays in and out and no needless copie
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -365,6 +366,12 @@ class Stage:
             "presence_penalty", "seed")})
         raw.grammar = grammar
         raw.grammar_from = len(history) if grammar_from is None else grammar_from
+        patterns = [_ffi.new("char[]", p.encode()) for p in sampling.trigger_patterns]
+        patterns_c = _ffi.new("char *[]", patterns) if patterns else _ffi.NULL
+        trigger_tokens = _ffi.new("int32_t[]", list(sampling.trigger_tokens)) if sampling.trigger_tokens else _ffi.NULL
+        raw.grammar_lazy = sampling.grammar_lazy
+        raw.trigger_patterns, raw.n_trigger_patterns = patterns_c, len(patterns)
+        raw.trigger_tokens, raw.n_trigger_tokens = trigger_tokens, len(sampling.trigger_tokens)
         tokens = np.ascontiguousarray(history, dtype=np.int32)
         self._check(self._lib.meshnet_session_sampling(self._live(), session_id, raw,
                                                        _ffi.from_buffer("int32_t[]", tokens), len(tokens)))
@@ -456,6 +463,31 @@ class Stage:
 
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.meshnet_token_is_eog(self._live(), token))
+
+    def _json_call(self, call, *args) -> dict:
+        """An engine call that answers JSON text into a buffer of ours, sized as it says."""
+        n_out, capacity = _ffi.new("size_t *"), 1 << 16
+        while True:
+            buf = _ffi.new("char[]", capacity)
+            status = call(self._live(), *args, buf, capacity, n_out)
+            if STATUS_CODES.get(status) == errors.BUFFER_TOO_SMALL and n_out[0] > capacity:
+                capacity = n_out[0]
+                continue
+            self._check(status)
+            return json.loads(_ffi.string(buf).decode(errors="replace"))
+
+    def chat_apply(self, request: dict) -> dict:
+        """The model's Jinja chat template over OpenAI's messages and tools, by llama.cpp's
+        common chat code (meshnet_chat_apply): the prompt, and the grammar and format its
+        answer is taken in."""
+        return self._json_call(self._lib.meshnet_chat_apply, _ffi.new("char[]", json.dumps(request).encode()))
+
+    def chat_parse(self, chat: dict, text: str, partial: bool = False) -> dict:
+        """TEXT, an answer to a chat_apply's prompt, as OpenAI's message (content, tool_calls)."""
+        keys = ("format", "generation_prompt", "parser")
+        return self._json_call(self._lib.meshnet_chat_parse,
+                               _ffi.new("char[]", json.dumps({k: chat[k] for k in keys if k in chat}).encode()),
+                               _ffi.new("char[]", text.encode(errors="replace")), int(partial))
 
     def chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str:
         """The model's own chat template (from the GGUF, applied by llama.cpp) over

@@ -27,6 +27,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
+                                  tool_plan,
                                   field_path)
 
 # The largest request body taken: a bigger one is refused (413) before it is read. It is
@@ -146,10 +147,11 @@ def _v1(coordinator, model: str, completions: Completions, api_key: str | None) 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         check_request(body)
-        messages = chat_messages(body.messages)
+        plan = tool_plan(body)
+        messages = chat_messages(body.messages, plan)
         return await completions.answer(request, body, True,
                                         lambda limit: chat_prompt_tokens(coordinator, messages, limit),
-                                        body.max_completion_tokens or body.max_tokens)
+                                        body.max_completion_tokens or body.max_tokens, plan)
 
     @v1.post("/completions")
     async def text_completions(request: Request, body: CompletionRequest):

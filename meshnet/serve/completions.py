@@ -20,6 +20,7 @@ from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
 from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, logprobs_of, sampling_of, sse
+from meshnet.serve.tools import ToolPlan
 
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
@@ -235,15 +236,17 @@ class Completions:
         self.coordinator, self.model = coordinator, model
         self.slots = Slots()
 
-    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None):
-        """The response to a checked request: TOKENS_OF(limit) gives the prompt's tokens."""
+    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None,
+                     plan: ToolPlan | None = None):
+        """The response to a checked request: TOKENS_OF(limit) gives the prompt's tokens;
+        PLAN: the tools the answer may call (serve/tools.py)."""
         if body.model != self.model:
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
                            code="model_not_found", param="model")
         if body.n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
                            param="n")
-        sampling = sampling_of(body)
+        sampling = sampling_of(body, plan)
         logprobs = body.logprobs_asked()
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs)
@@ -259,14 +262,22 @@ class Completions:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model}
-        if not body.stream:
+        if not body.stream or plan is not None:   # (an answer that may call tools is whole before it is known)
             try:
                 text = "".join([t async for t in answer.texts(request)])
             except ClientGone:
                 return Response(status_code=499)
             entries, _ = answer.take_logprobs()
-            return dict(head, choices=[choice(chat, text, answer.finish_reason, False, logprobs_of(chat, entries))],
-                        usage=_usage(tokens, answer))
+            content, calls = plan.parse(text) if plan is not None else (text, None)
+            finish = "tool_calls" if calls else answer.finish_reason
+            if not body.stream:
+                return dict(head, choices=[choice(chat, content, finish, False, logprobs_of(chat, entries), calls)],
+                            usage=_usage(tokens, answer))
+            head["object"] = "chat.completion.chunk"
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_whole_events(head, content, calls, finish, logprobs_of(chat, entries),
+                                                   _usage(tokens, answer) if include_usage else None),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
         return StreamingResponse(_events(request, answer, head, chat, tokens, include_usage),
@@ -305,6 +316,20 @@ def _usage(tokens: list[int], answer: Answer) -> dict:
             "total_tokens": len(tokens) + answer.n_tokens,
             # as OpenAI reports its prompt caching: of prompt_tokens, those not computed again
             "prompt_tokens_details": {"cached_tokens": handle.cached_tokens if handle is not None else 0}}
+
+
+async def _whole_events(head: dict, content: str | None, calls: list | None, finish: str, logprobs: dict | None,
+                       usage: dict | None):
+    """A chat answer known whole (one that may call tools) as OpenAI's chunks: the role, the
+    content or the calls, the finish, [DONE]."""
+    extra = {"usage": None} if usage is not None else {}
+    yield sse(dict(head, choices=[dict(choice(True, None, None, True), delta={"role": "assistant", "content": ""})],
+                   **extra))
+    yield sse(dict(head, choices=[choice(True, content, None, True, logprobs, calls)], **extra))
+    yield sse(dict(head, choices=[choice(True, None, finish, True)], **extra))
+    if usage is not None:
+        yield sse(dict(head, choices=[], usage=usage))
+    yield "data: [DONE]\n\n"
 
 
 async def _events(request: Request, answer: Answer, head: dict, chat: bool, tokens: list[int], include_usage: bool):

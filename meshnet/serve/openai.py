@@ -18,6 +18,7 @@ from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import Sampling
 from meshnet.engine import models
 from meshnet.serve.structured import grammar_of
+from meshnet.serve.tools import ToolPlan, generic_message, plan_of
 
 RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -26,7 +27,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "repeat_penalty", "seed")
 UNSUPPORTED_FIELD = "unsupported_field"   # the code of a field (or value) meshnet does not honour
 TOO_LARGE = "request_too_large"           # the code of a body over MAX_BODY_BYTES
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's request fields that meshnet does not honour, each with the values that mean
 # "off" (null, and the default where a client sends it for "off"): a request with one of
 # them is answered as it would be without the field; any other value is refused
@@ -35,7 +36,6 @@ ROLES = ("system", "developer", "user", "assistant")
 OFF_VALUES = {
     "logit_bias": (None, {}), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True),
     "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
@@ -78,10 +78,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: str
+    function: FunctionCall
+
+
 class Message(_Body):
     role: str
     content: str | list[ContentPart] | None = None   # (None: check_request says which message lacks it)
     name: str | None = None   # a participant's name: taken, without effect (the chat template has no place for it)
+    tool_calls: list[ToolCall] | None = None   # an assistant's calls (serve/tools.py)
+    tool_call_id: str | None = None            # a tool message: the call it answers
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None   # the grammar holds the arguments to the schema whatever it says
+
+
+class Tool(_Body):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class ToolChoice(_Body):
+    type: str
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Body):
@@ -122,6 +156,9 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)   # with logprobs: this many most likely tokens too
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -137,9 +174,9 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
-FIELD_NAMES = frozenset().union(*(model.model_fields for model in (ChatRequest, CompletionRequest, Message,
-                                                                    ContentPart, StreamOptions, ResponseFormat)),
-                                {"schema"})
+FIELD_NAMES = frozenset().union(*(model.model_fields for model in (
+    ChatRequest, CompletionRequest, Message, ContentPart, StreamOptions, ResponseFormat, Tool, FunctionDef, ToolChoice,
+    NamedFunction, ToolCall, FunctionCall)), {"schema"})
 
 
 def field_path(loc) -> str:
@@ -226,9 +263,15 @@ def check_request(body: _Request) -> None:
         if m.role not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", code=errors.INVALID_ARGUMENT,
                            param=where + ".role")
-        if m.content is None:
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise ApiError(400, f"{where}.content is required: the message's text (or text parts)",
                            code=errors.INVALID_ARGUMENT, param=where + ".content")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise ApiError(400, f"{where}.tool_calls: only an assistant's message calls tools",
+                           code=errors.INVALID_ARGUMENT, param=where + ".tool_calls")
+        if (m.role == "tool") != (m.tool_call_id is not None):
+            raise ApiError(400, f"{where}.tool_call_id: a tool message, and it alone, names the call it answers",
+                           code=errors.INVALID_ARGUMENT, param=where + ".tool_call_id")
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             at = f"{where}.content[{j}]"
             if part.type != "text":   # (before its other fields: an image_url part is refused for being one)
@@ -240,12 +283,26 @@ def check_request(body: _Request) -> None:
                                param=at + ".text")
 
 
-def sampling_of(body: _Request) -> Sampling | None:
+def tool_plan(body: _Request) -> ToolPlan | None:
+    """The tools of a chat request (serve/tools.py); None: none to call."""
+    if not isinstance(body, ChatRequest):
+        return None
+    try:
+        plan = plan_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except MeshnetError as e:
+        raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
+    if plan is not None and (body.grammar is not None or (body.response_format and body.response_format.type != "text")):
+        raise ApiError(400, "tools and a response_format or grammar cannot both be given: each fixes the answer's form",
+                       code=errors.INVALID_ARGUMENT, param="tools")
+    return plan
+
+
+def sampling_of(body: _Request, plan: ToolPlan | None = None) -> Sampling | None:
     """No temperature: greedy (meshnet's default). A temperature without a seed: a fresh
-    seed per request. A response_format or grammar: the tail's grammar."""
+    seed per request. A response_format, grammar or tools to call: the tail's grammar."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
     try:
-        grammar = grammar_of(body.response_format, body.grammar)
+        grammar = plan.grammar if plan is not None else grammar_of(body.response_format, body.grammar)
         if grammar:
             given["grammar"] = grammar
         if not given:
@@ -255,14 +312,16 @@ def sampling_of(body: _Request) -> Sampling | None:
         raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
 
 
-def chat_messages(messages: list[Message]) -> list[dict]:
+def chat_messages(messages: list[Message], plan: ToolPlan | None = None) -> list[dict]:
     """OpenAI's messages as the chat template takes them: role and content text (the
-    messages as check_request has taken them)."""
+    messages as check_request has taken them; tool calls and results as text, and the
+    tools' instruction with PLAN)."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        out.append(generic_message("system" if m.role == "developer" else m.role, content, m.tool_calls,
+                                   m.tool_call_id, m.name))
+    return plan.messages(out) if plan is not None else out
 
 
 def sse(obj) -> str:
@@ -293,14 +352,19 @@ def logprobs_of(chat: bool, entries: list | None, text_offset: int = 0) -> dict 
             "text_offset": offsets}
 
 
-def choice(chat: bool, text: str | None, finish: str | None, stream: bool, logprobs: dict | None = None) -> dict:
+def choice(chat: bool, text: str | None, finish: str | None, stream: bool, logprobs: dict | None = None,
+           tool_calls: list | None = None) -> dict:
     if not chat:
         return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if stream:
-        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}
+        delta = {} if text is None else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(tool_calls)]
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def model_id(model: str | None) -> str:

@@ -159,3 +159,95 @@ def test_logprobs_beyond_20_or_of_the_wrong_kind_are_a_400(client, path, extra, 
     with pytest.raises(openai.BadRequestError) as bad:
         client.post(path, body=body, cast_to=object)
     assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
+
+
+# ---- tool calls, in the generic format: SmolLM2's template has no tool-call format of its own
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def called(message):
+    assert message.tool_calls and message.content is None, message
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    return call.function.name, json.loads(call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_gives_a_valid_call_to_that_function(client, stream):
+    kwargs = dict(model=MODEL, messages=PARIS, tools=[TIME, WEATHER], tool_choice=NAMED, max_tokens=80)
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+        assert len(calls) == 1 and calls[0].index == 0
+        name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        name, arguments = called(reply.choices[0].message)
+    assert name == "get_weather"
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_round_trip_call_result_and_final_answer(client, stream):
+    first = client.chat.completions.create(model=MODEL, messages=PARIS, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=80)
+    name, arguments = called(first.choices[0].message)
+    call = first.choices[0].message.tool_calls[0]
+    history = PARIS + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": arguments["city"], "sky": "sunny",
+                                                                         "temperature": 21})}]
+    kwargs = dict(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=60)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        assert reply.choices[0].finish_reason in ("stop", "length") and not reply.choices[0].message.tool_calls
+        text = reply.choices[0].message.content
+    assert text.strip()
+
+
+def test_tool_choice_auto_answers_with_a_call_or_a_text_never_both(client):
+    for messages in (PARIS, [{"role": "user", "content": "Say hello."}]):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=80)
+        message = reply.choices[0].message
+        if message.tool_calls:
+            assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+            jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+        else:
+            assert isinstance(message.content, str) and reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+])
+def test_a_bad_tool_schema_or_choice_is_a_400_naming_its_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.post("/chat/completions", body={"model": MODEL, "messages": PARIS, "max_tokens": 4, **extra},
+                    cast_to=object)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
+    assert bad.value.body["type"] == "invalid_request_error"

@@ -133,9 +133,6 @@ def test_a_lone_surrogate_in_any_text_is_a_400_naming_the_field(server, path, bo
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
 NOT_HONOURED = [   # (param, a request refused for it, requests at its "off" values: answered as without it)
     ("logit_bias", chat(logit_bias={"42": 100}), [chat(logit_bias={}), chat(logit_bias=None)]),
-    ("tools", chat(tools=[TOOL]), [chat(tools=[])]),
-    ("tool_choice", chat(tool_choice="required"), [chat(tool_choice="none")]),
-    ("parallel_tool_calls", chat(parallel_tool_calls=False), [chat(parallel_tool_calls=True)]),
     ("functions", chat(functions=[TOOL["function"]]), [chat(functions=None)]),
     ("store", chat(store=True), [chat(store=False)]),
     ("echo", completion(echo=True), [completion(echo=False)]),
@@ -147,8 +144,6 @@ NOT_HONOURED = [   # (param, a request refused for it, requests at its "off" val
     ("messages", completion(messages=[{"role": "user", "content": "Hi"}]), []),
     ("stream_options.include_obfuscation", chat(stream_options={"include_usage": False, "include_obfuscation": True}),
      [chat(stream_options={"include_usage": False})]),
-    ("messages[0].tool_calls",
-     message(tool_calls=[{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]), []),
     ("messages[0].content[0].type",
      message(content=[{"type": "image_url", "image_url": {"url": "https://a.example/c.png"}}]),
      [message(content=[{"type": "text", "text": "Hi"}])]),
@@ -184,11 +179,12 @@ def test_user_and_a_messages_name_are_taken_as_text_without_effect(server, plain
         assert text_of(answer) == plain[path], body
 
 
-# ---- 3: a chat message needs a role meshnet knows, and content
+# ---- 3: a chat message needs a role meshnet knows, and content (a tool's result, the call it answers)
 
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra"}], "messages[1].role"),
-    ([{"role": "tool", "content": "22 degrees"}], "messages[0].role"),
+    ([{"role": "tool", "content": "22 degrees"}], "messages[0].tool_call_id"),   # a result of no call
+    ([{"role": "user", "content": "Hi", "tool_calls": []}], "messages[0].tool_calls"),
     ([{"content": "Hi"}], "messages[0].role"),
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}], "messages[1].content"),
