@@ -18,6 +18,6 @@ setup(
         "uvicorn>=0.29",
     ],
     # the real OpenAI client against meshnet serve; a real terminal for meshnet chat
-    extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8"]},
+    extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8", "openai-agents>=0.24"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli.main:main"]},
 )

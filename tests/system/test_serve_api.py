@@ -7,6 +7,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import agents
 import jsonschema
 import numpy as np
 import openai
@@ -251,3 +252,27 @@ def test_a_bad_tool_schema_or_choice_is_a_400_naming_its_field(client, extra, pa
                     cast_to=object)
     assert bad.value.status_code == 400 and bad.value.body["param"] == param, bad.value.body
     assert bad.value.body["type"] == "invalid_request_error"
+
+
+# ---- a second client: the OpenAI Agents SDK, over chat completions
+
+def test_an_agent_of_the_openai_agents_sdk_calls_a_tool_and_answers_with_its_result(client):
+    agents.set_tracing_disabled(True)   # (its traces would go to OpenAI's servers)
+    asked = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        asked.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=str(client.base_url), api_key=KEY, max_retries=0, timeout=120))
+    # the task ends with the tool's answer: SmolLM2-135M, given a tool's result and tool_choice auto,
+    # calls the tool again rather than answer in words
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                         model=model, model_settings=agents.ModelSettings(tool_choice="required", max_tokens=80),
+                         tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+    assert len(asked) == 1 and asked[0].strip()   # the tool ran once, with a city the model chose
+    assert result.final_output == f"It is sunny and 21 degrees in {asked[0]}."
