@@ -2,8 +2,10 @@
 the grammar takes, greedy and seeded; a draw stays a pure function of the seed and the
 tokens so far, so a replay whose history holds tokens generated under the grammar, or a
 session cut back, goes on exactly. On a generated random-weight model (its 128 tokens are
-the hex strings "0" to "7f")."""
+the hex strings "0" to "7f"). And a template that knows tools, through llama.cpp's common
+chat code (meshnet_chat_apply, meshnet_chat_parse), on Qwen2.5-Coder."""
 
+import json
 import os
 import re
 
@@ -142,4 +144,33 @@ def test_a_json_schema_becomes_llama_cpps_grammar_and_a_bad_one_is_refused():
     for bad in ("{not json", '{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}'):
         with pytest.raises(MeshnetError) as refused:
             json_schema_grammar(bad)
+        assert refused.value.code == "invalid_argument"
+
+
+# ---- a template that knows tools (Qwen2.5's Hermes format), by llama.cpp's common chat code
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_a_template_that_knows_tools_gets_them_and_its_calls_are_parsed_back(qwen_path):
+    with Stage(qwen_path, (0, 1), n_ctx=256, max_sessions=1, n_threads=THREADS) as head:
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        chat = head.chat_apply({"messages": ask, "tools": [WEATHER], "tool_choice": "auto"})
+        assert '"name": "get_weather"' in chat["prompt"] and chat["prompt"].endswith(chat["generation_prompt"])
+        assert chat["grammar_lazy"] and chat["trigger_patterns"] and "root ::=" in chat["grammar"]
+        required = head.chat_apply({"messages": ask, "tools": [WEATHER], "tool_choice": "required"})
+        assert not required["grammar_lazy"] and "root ::=" in required["grammar"]
+        message = head.chat_parse(chat, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert head.chat_parse(chat, "It is sunny.")["content"] == "It is sunny."
+        # the call and its result go back into the template
+        history = ask + [{"role": "assistant", "content": None, "tool_calls": [dict(call, id="c1")]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 degrees"}]
+        again = head.chat_apply({"messages": history, "tools": [WEATHER]})
+        assert "<tool_response>" in again["prompt"] and "sunny, 21 degrees" in again["prompt"]
+        with pytest.raises(MeshnetError) as refused:
+            head.chat_apply({"messages": ask, "tools": [WEATHER], "tool_choice": "sometimes"})
         assert refused.value.code == "invalid_argument"
