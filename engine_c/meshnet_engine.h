@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 11
+#define MESHNET_ENGINE_ABI_VERSION 12
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -91,6 +91,10 @@ typedef struct {
     int32_t gpu;           /* 1 = every layer, the KV cache and the compute on the first GPU;
                               0 = the CPU alone, also in an engine built with a GPU backend */
     int32_t numerics;      /* a meshnet_numerics */
+    /* NULL, or called as the weights load (llama.cpp's progress_callback) with the fraction
+     * read so far, 0 to 1, and progress_user; answering 0 stops the load (MODEL_LOAD) */
+    int32_t (*progress)(float fraction, void * user);
+    void * progress_user;
 } meshnet_stage_params;
 
 typedef struct {

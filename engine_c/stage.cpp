@@ -343,6 +343,13 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // round differently, so a row's logits would depend on the rows that shared its call.
     // With the plain layout every row is its own dot products.
     mparams.use_extra_bufts = p->numerics == MESHNET_NUMERICS_STOCK;
+    if (p->progress) {
+        mparams.progress_callback = [](float fraction, void * user) {
+            const meshnet_stage_params * params = (const meshnet_stage_params *) user;
+            return params->progress(fraction, params->progress_user) != 0;
+        };
+        mparams.progress_callback_user_data = (void *) p;
+    }
     stage->model = llama_model_load_from_file(p->model_path, mparams);
     if (!stage->model) {
         err = format("llama.cpp could not load '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());

@@ -160,6 +160,8 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
                     status += "".join(f"\n  kept out {name}: {why}" for name, why in report["kept_out"].items())
                     if report["route"]:   # without a route the reason already names them
                         status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
+                    if any(str(state).startswith("loading") for state in report["standby"].values()):
+                        status += "".join(f"\n  {line}" for line in load_bars(coord.metrics(timeout=1)))
                     if status != last:
                         click.echo(status, err=True)
                         last = status
@@ -245,6 +247,16 @@ def status(url, watch, as_json):
         time.sleep(watch)
 
 
+def load_bars(snapshot: dict, width: int = 20) -> list[str]:
+    """A bar per stage loading its range (from its health's load_progress), to the tenth."""
+    lines = []
+    for s in snapshot["stages"]:
+        if s.get("state") == "loading" and s.get("load_progress") is not None:
+            done = int(s["load_progress"] * 10) / 10
+            lines.append(f"{s['stage']} {s['worker']}: [{'#' * int(done * width):<{width}}] {int(done * 100)}%")
+    return lines
+
+
 def _status_table(snapshot: dict) -> str:
     mib = 1 << 20
     rows = [f"{'stage':<10} {'worker':<12} {'rss MiB':>8} {'model MiB':>9} {'KV used MiB':>11} {'sessions':>8} "
@@ -253,6 +265,8 @@ def _status_table(snapshot: dict) -> str:
         def num(key, scale=1, fmt="{:.1f}"):
             return fmt.format(s[key] / scale) if s.get(key) is not None else "-"
         failures = ", ".join(f"{k}={v}" for k, v in {**s.get("errors", {}), **s.get("reply_errors", {})}.items()) or "0"
+        if s.get("state") == "loading":
+            failures = f"LOADING {int(100 * (s.get('load_progress') or 0))}%; {failures}"
         if s.get("unreachable"):  # what the coordinator knows of a worker that did not answer
             failures = f"SILENT (last heard {s.get('last_heard_s', 0):.1f} s ago: {s['unreachable']}); {failures}"
         rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "

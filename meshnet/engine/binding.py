@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from cffi import FFI
@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -230,7 +230,9 @@ class Stage:
         flash_attn: bool = False,
         gpu: bool = False,
         numerics: str | None = None,
+        progress: Callable[[float], None] | None = None,
     ):
+        """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1)."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -251,6 +253,15 @@ class Stage:
                 "numerics": numerics_classes.code(numerics or numerics_classes.default_for(gpu)),
             },
         )
+        if progress is not None:
+            def on_progress(fraction, _user):
+                try:
+                    progress(float(fraction))
+                except Exception:   # (a watcher's failure is not the load's)
+                    pass
+                return 1
+            # (held by the stage: the engine calls it only while it loads, but cffi frees it with the last reference)
+            params.progress = self._progress_callback = _ffi.callback("int32_t(float, void *)", on_progress)
         out = _ffi.new("meshnet_stage **")
         err = _ffi.new("char[]", 2048)
         status = lib.meshnet_stage_open(params, out, err, len(err))

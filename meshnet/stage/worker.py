@@ -16,6 +16,7 @@ import collections
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +51,10 @@ LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loa
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
 # so that tests can prove `meshnet accept` notices; never set outside tests
 TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
+# a test's hook: each step of a load's progress waits this long, so that a real load is slow
+# enough to be watched
+TEST_SLOW_LOAD_S = float(os.environ.get("MESHNET_TEST_SLOW_LOAD_MS", "0")) / 1000
+PROGRESS_SAID_EVERY = 0.1   # a load says on stderr how far it got at each tenth
 
 
 class StageWorker:
@@ -68,6 +73,8 @@ class StageWorker:
         self.stage: Stage | None = None
         self.loop: StageLoop | None = None
         self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
+        self.load_progress: float | None = None   # the weights read of the range loading (0 to 1), as llama.cpp says
+        self.load_seconds: float | None = None    # ... and how long the last load took
         self.worker_id = uuid.uuid4().hex
         self.gatekeeper: Gatekeeper | None = None
         if config.layers is not None:
@@ -99,11 +106,29 @@ class StageWorker:
         }
 
     def _load(self, layers) -> Stage:
-        """The engine stage for these layers, as this worker's options say."""
+        """The engine stage for these layers, as this worker's options say; its progress in
+        load_progress (health shows it) and, at each tenth, on stderr."""
         config = self.config
-        return Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                     n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
-                     numerics=config.numerics_class)
+        label = LayerRange(*layers).label
+        said = [-1.0]
+
+        def progress(fraction: float) -> None:
+            self.load_progress = fraction
+            if fraction >= said[0] + PROGRESS_SAID_EVERY or (fraction >= 1.0 > said[0]):
+                said[0] = fraction
+                print(f"meshnet worker: loading layers {label}: {int(fraction * 100)}%", file=sys.stderr, flush=True)
+            if TEST_SLOW_LOAD_S:
+                time.sleep(TEST_SLOW_LOAD_S)
+        began = time.monotonic()
+        self.load_progress = 0.0
+        stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
+                      n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
+                      numerics=config.numerics_class, progress=progress)
+        self.load_seconds = round(time.monotonic() - began, 3)
+        info = stage.info()
+        print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
+              f"{format_size(info.kv_bytes)} of KV, in {self.load_seconds:.1f} s", file=sys.stderr, flush=True)
+        return stage
 
     @property
     def max_control_payload(self) -> int:
@@ -324,7 +349,9 @@ class StageWorker:
         if self.loop is None:
             self._send(P.encode(P.OK, msg.rid, info=dict(
                 requests=dict(self.requests), errors=dict(self.errors), stopping=self.stopping, rss_bytes=rss_bytes(),
-                state="loading" if self.loading else "waiting for a range")))
+                state="loading" if self.loading else "waiting for a range",
+                **({"load_progress": round(self.load_progress, 4)} if self.loading and self.load_progress is not None
+                   else {}))))
             return
         stats = dict(self.loop.stats)
         stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.link.dealer))
@@ -332,7 +359,8 @@ class StageWorker:
         errors.update(self.errors)
         self._send(P.encode(P.OK, msg.rid, info=dict(
             stats, requests=dict(self.requests), errors=dict(errors), stopping=self.stopping,
-            queue_depth=stats.get("waiting", 0), queued=dict(self.queued), rss_bytes=rss_bytes())))
+            queue_depth=stats.get("waiting", 0), queued=dict(self.queued), rss_bytes=rss_bytes(),
+            load_progress=1.0, load_seconds=self.load_seconds)))
 
     def _capability(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid, info=self.capability))

@@ -1,0 +1,56 @@
+"""A worker loading its range says how far it got: in its health (llama.cpp's
+progress_callback), so in `meshnet status --json` and the coordinator's bars, and on its stderr. A real load of
+SmolLM2 by a `--layers auto` worker, slowed by a test hook (each step of the progress
+waits), in front of a real `meshnet coordinator`."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import THREADS, meshnet, stop_group, track
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_slow_load_reports_rising_progress_in_status_json_and_on_stderr(smollm2_path, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    coordinator = track(subprocess.Popen(
+        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--metrics-port", str(metrics_port)],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.err", "w"), start_new_session=True))
+    worker_err = tmp_path / "worker.err"
+    worker = track(subprocess.Popen(
+        [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", address, "--layers", "auto", "--mem", "2G",
+         "--threads", str(THREADS), "--model", smollm2_path],
+        env=dict(os.environ, MESHNET_TEST_SLOW_LOAD_MS="40"), stdout=subprocess.DEVNULL, stderr=open(worker_err, "w"),
+        start_new_session=True))
+    try:
+        seen, deadline = [], time.monotonic() + 240
+        while True:
+            assert time.monotonic() < deadline, f"no route after {seen}: {worker_err.read_text()[-2000:]}"
+            result = meshnet("status", "--url", f"http://127.0.0.1:{metrics_port}", "--json", timeout=60)
+            if result.returncode == 0:
+                stages = json.loads(result.stdout)["stages"]
+                loading = [s for s in stages if s.get("state") == "loading"]
+                if loading and loading[0].get("load_progress") is not None:
+                    seen.append(loading[0]["load_progress"])
+                if stages and all(s.get("in_route") for s in stages):
+                    assert stages[0]["load_progress"] == 1.0 and stages[0]["load_seconds"] > 0
+                    break
+            time.sleep(0.2)
+        # rising while it loaded, seen more than once on the way
+        assert len(set(seen)) >= 2 and seen == sorted(seen) and 0 <= seen[0] < seen[-1] <= 1, seen
+        said = [line for line in worker_err.read_text().splitlines() if "loading layers [0,30)" in line]
+        assert said and said[-1].endswith("100%"), said
+        bars = [line.strip() for line in (tmp_path / "coordinator.err").read_text().splitlines() if "#" in line]
+        assert bars and all(line.startswith("loading [0,30)") and line.endswith("%") for line in bars), bars
+    finally:
+        for process in (worker, coordinator):
+            stop_group(process)
