@@ -27,8 +27,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
-                                  tool_plan,
-                                  field_path)
+                                  field_path, tool_plan)
 
 # The largest request body taken: a bigger one is refused (413) before it is read. It is
 # well above any prompt a context holds (a 3,000,000-character prompt is let through, to
