@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Run one GGUF language model across several processes and hosts, a layer range each",
     packages=find_packages(include=["meshnet", "meshnet.*"]),
+    package_data={"meshnet.serve": ["console/*.html", "console/*.js", "console/*.css"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.24",
@@ -17,7 +18,9 @@ setup(
         "fastapi>=0.110",
         "uvicorn>=0.29",
     ],
-    # the real OpenAI client against meshnet serve; a real terminal for meshnet chat
-    extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8", "openai-agents>=0.24"]},
+    # the real OpenAI client and an agent framework's against meshnet serve; a real terminal
+    # for meshnet chat; a real browser (Debian's chromium) driving the console
+    extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8", "openai-agents>=0.24",
+                             "selenium>=4.20"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli.main:main"]},
 )

@@ -271,7 +271,9 @@ class Coordinator:
             mine = [{
                 "stage": w.label, "worker": w.name, "seam_bytes": w.seam_bytes, "replies": w.replies,
                 "reply_errors": dict(w.errors), "last_heard_s": round(w.liveness.silent_for(), 3),
-                "in_route": w.name in in_route,
+                "in_route": w.name in in_route, "backend": w.capability.backend, "device": w.capability.device,
+                # the host it serves its stage from, as it told the coordinator
+                "host": (w.capability.data_endpoint or "").split("://")[-1].rsplit(":", 1)[0] or None,
                 "kept_out": kept_out.get(w.name) or (None if w.name in in_route else route_error or w.standby_state),
                 **{f"hop_us_{k}": v for k, v in percentiles(w.hops_us).items()},
             } for w in workers]
@@ -293,8 +295,9 @@ class Coordinator:
         resume_ms = percentiles(list(self._io.table.resume_ms))
         resumes = {"count": counters.get("resumes", 0), "replayed_tokens": counters.get("replayed_tokens", 0),
                    "ms_p50": resume_ms["p50"], "ms_p99": resume_ms["p99"]}
+        failovers = self._io.submit(lambda f: f.set_result(list(self._io.table.failovers))).result(timeout)
         return {"stages": stages, "sessions": sessions, "counters": counters, "resumes": resumes,
-                "route_error": route_error}
+                "route_error": route_error, "failovers": failovers}
 
     def shutdown_workers(self) -> None:
         def ask(f):

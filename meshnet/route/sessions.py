@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import enum
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +39,9 @@ from meshnet.route.events import Done, Effect, Emit, Failed, Leave, Push, Reques
 from meshnet.route.registry import WorkerRecord
 from meshnet.route.requests import RequestKind
 from meshnet.route.tracker import compat_class_of, head_gathers
+
+
+FAILOVERS_KEPT = 50
 
 
 class State(enum.Enum):
@@ -97,6 +101,8 @@ class SessionTable:
         self.clock = clock
         self.counters = counters if counters is not None else collections.Counter()
         self.resume_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        # the last resumes, newest last: what a console shows of the failovers
+        self.failovers: collections.deque[dict] = collections.deque(maxlen=FAILOVERS_KEPT)
         self.sessions: dict[int, Session] = {}
         self._on_worker: dict[bytes, set[int]] = collections.defaultdict(set)
         self._out: list[Effect] = []
@@ -182,6 +188,7 @@ class SessionTable:
             return []
         session.deadline = self.clock() + self.request_timeout
         self._count_seams(session, msg.get("seams", ()))
+        self.counters["tokens"] += 1
         if "drafted" in msg.fields and session.speculation is not None:   # a decode round's first token
             counts = {"rounds": 1, "drafted": msg["drafted"], "accepted": min(msg.get("accepted", 0), msg["drafted"])}
             for name, n in counts.items():
@@ -368,6 +375,7 @@ class SessionTable:
                     elapsed_ms = (self.clock() - session.resumes[-1].pop("lost_at")) * 1000
                     session.resumes[-1]["elapsed_ms"] = round(elapsed_ms, 1)
                     self.resume_ms.append(elapsed_ms)
+                    self.failovers.append(dict(session.resumes[-1], sid=session.sid, at=time.time()))
                 self._out.append(Emit(session.sid, TokenEvent(action.token, piece, logits, session.gen.cached,
                                                               logprob)))
             elif isinstance(action, Finish) and action.reason != "error":

@@ -25,6 +25,7 @@ from meshnet.core import errors
 from meshnet.core.conversation import prompt_tokens as chat_prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
+from meshnet.serve import console
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
                                   field_path, tool_plan)
@@ -88,9 +89,17 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
     app.add_middleware(BodyLimit)
     completions = Completions(coordinator, model)
     _answer_errors_as_openai_does(app)
-    app.include_router(_v1(coordinator, model, completions, api_key))
+    authorize = _authorizer(api_key)
+    app.include_router(_v1(coordinator, model, completions, authorize))
+    feeds = console.Feeds()
+    for router in console.routes(coordinator, model, completions.slots, authorize, feeds):
+        app.include_router(router)
     _status_routes(app, coordinator, model, completions)
-    app.state.stop_sessions = completions.slots.stop_all
+
+    def stop_sessions():   # the server is stopping: streams end now, and their connections close
+        completions.slots.stop_all()
+        feeds.stop()
+    app.state.stop_sessions = stop_sessions
     return app
 
 
@@ -115,10 +124,8 @@ def _answer_errors_as_openai_does(app: FastAPI) -> None:
         return ApiError(e.status_code, str(e.detail), code=None).response()
 
 
-def _v1(coordinator, model: str, completions: Completions, api_key: str | None) -> APIRouter:
-    """OpenAI's routes, behind the API key when there is one."""
-    created = int(time.time())
-
+def _authorizer(api_key: str | None):
+    """The dependency that holds a route behind the API key, when there is one."""
     async def authorize(request: Request):
         if api_key is None:
             return
@@ -126,6 +133,12 @@ def _v1(coordinator, model: str, completions: Completions, api_key: str | None) 
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
+    return authorize
+
+
+def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRouter:
+    """OpenAI's routes, behind the API key when there is one."""
+    created = int(time.time())
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
