@@ -96,7 +96,23 @@ function render(state) {
   renderFigures(state);
 }
 
-// server-sent events over fetch: "data: {...}\n\n" records
+// server-sent events over fetch: the data of each "data: ...\n\n" record
+async function* events(response) {
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffered = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffered += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffered.indexOf("\n\n")) >= 0) {
+      const record = buffered.slice(0, end);
+      buffered = buffered.slice(end + 2);
+      if (record.startsWith("data: ")) yield record.slice(6);
+    }
+  }
+}
+
 async function follow() {
   if (feed) feed.abort();
   feed = new AbortController();
@@ -106,19 +122,7 @@ async function follow() {
       $("status").textContent = response.status === 401 ? "API key?" : "error " + response.status;
       return;
     }
-    const reader = response.body.getReader(), decoder = new TextDecoder();
-    let buffered = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffered += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffered.indexOf("\n\n")) >= 0) {
-        const record = buffered.slice(0, end);
-        buffered = buffered.slice(end + 2);
-        if (record.startsWith("data: ")) render(JSON.parse(record.slice(6)));
-      }
-    }
+    for await (const data of events(response)) render(JSON.parse(data));
   } catch (e) {
     if (e.name === "AbortError") return;
   }
@@ -140,20 +144,10 @@ async function send(event) {
   if (temperature > 0) { body.temperature = temperature; body.seed = Number($("seed").value) || 0; }
   const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
   if (!response.ok) { answer.textContent = "error: " + (await response.text()); answer.className = "error"; return; }
-  const reader = response.body.getReader(), decoder = new TextDecoder();
-  let buffered = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffered += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffered.indexOf("\n\n")) >= 0) {
-      const record = buffered.slice(0, end);
-      buffered = buffered.slice(end + 2);
-      if (!record.startsWith("data: ") || record === "data: [DONE]") continue;
-      const chunk = JSON.parse(record.slice(6));
-      if (chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content) answer.textContent += chunk.choices[0].delta.content;
-    }
+  for await (const data of events(response)) {
+    if (data === "[DONE]") continue;
+    const chunk = JSON.parse(data);
+    if (chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content) answer.textContent += chunk.choices[0].delta.content;
   }
   answer.dataset.done = "true";
   conversation.push({ role: "assistant", content: answer.textContent });
