@@ -262,6 +262,7 @@ class Completions:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if not body.stream or plan is not None:   # (an answer that may call tools is whole before it is known)
             try:
                 text = "".join([t async for t in answer.texts(request)])
@@ -274,11 +275,9 @@ class Completions:
                 return dict(head, choices=[choice(chat, content, finish, False, logprobs_of(chat, entries), calls)],
                             usage=_usage(tokens, answer))
             head["object"] = "chat.completion.chunk"
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_whole_events(head, content, calls, finish, logprobs_of(chat, entries),
                                                    _usage(tokens, answer) if include_usage else None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
         return StreamingResponse(_events(request, answer, head, chat, tokens, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
