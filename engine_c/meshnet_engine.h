@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 12
+#define MESHNET_ENGINE_ABI_VERSION 13
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -265,15 +265,17 @@ MESHNET_API meshnet_status meshnet_json_schema_grammar(const char * schema, char
  * "add_generation_prompt"}. The answer (JSON, NUL-terminated; *n_out bytes written, or needed
  * with MESHNET_ERR_BUFFER_TOO_SMALL): {"prompt", "grammar", "grammar_lazy",
  * "trigger_patterns", "trigger_tokens" (for meshnet_sampling), "additional_stops",
- * "generation_prompt", "format", "format_name", "parser"}. A model without a tool-call format
- * takes tools in the generic format. */
+ * "generation_prompt", "format", "format_name", "parser", "caps": the template's capabilities
+ * (supports_tools, supports_tool_calls, supports_system_role, ...)}. */
 MESHNET_API meshnet_status meshnet_chat_apply(meshnet_stage * stage, const char * request, char * out,
                                     size_t capacity, size_t * n_out);
 /* The text an answer gave, as an OpenAI message (JSON: content, tool_calls), parsed by the
  * format of a meshnet_chat_apply answer (chat: that answer's JSON, or its format,
- * generation_prompt and parser). is_partial: the text may go on (a stream). */
-MESHNET_API meshnet_status meshnet_chat_parse(meshnet_stage * stage, const char * chat, const char * text,
-                                    int32_t is_partial, char * out, size_t capacity, size_t * n_out);
+ * generation_prompt and parser). is_partial: the text may go on (a stream). It needs no
+ * stage, so the process that serves the API parses what the tail drew; a text or format it
+ * cannot take: INVALID_ARGUMENT, with the reason in err. */
+MESHNET_API meshnet_status meshnet_chat_parse(const char * chat, const char * text, int32_t is_partial, char * out,
+                                    size_t capacity, size_t * n_out, char * err, size_t err_cap);
 
 MESHNET_API meshnet_status meshnet_stage_forward(meshnet_stage * stage, const meshnet_entry * entries,
                                      int32_t n_entries, meshnet_output * out);

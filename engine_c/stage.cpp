@@ -1474,15 +1474,20 @@ meshnet_status meshnet_chat_apply(meshnet_stage * stage, const char * request, c
         answer["format"] = (int64_t) params.format;
         answer["format_name"] = std::string(common_chat_format_name(params.format));
         answer["parser"] = params.parser;
+        common_json caps = common_json::object();   // what the template can say: tools, tool calls, a system role
+        for (const auto & [name, value] : common_chat_templates_get_caps(stage->chat_templates.get())) {
+            caps[name] = value;
+        }
+        answer["caps"] = caps;
     } catch (const std::exception & e) {
         return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the chat template could not take the request: %s", e.what()));
     }
     return give_text(stage, answer.dump(), out, capacity, n_out);
 }
 
-meshnet_status meshnet_chat_parse(meshnet_stage * stage, const char * chat, const char * text, int32_t is_partial,
-                                  char * out, size_t capacity, size_t * n_out) {
-    if (!stage || !chat || !text || !n_out || (capacity > 0 && !out)) {
+meshnet_status meshnet_chat_parse(const char * chat, const char * text, int32_t is_partial, char * out,
+                                  size_t capacity, size_t * n_out, char * err, size_t err_cap) {
+    if (!chat || !text || !n_out || (capacity > 0 && !out)) {
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     std::string message;
@@ -1498,9 +1503,12 @@ meshnet_status meshnet_chat_parse(meshnet_stage * stage, const char * chat, cons
         }
         message = common_chat_parse(text, is_partial != 0, syntax).to_json_oaicompat().dump();
     } catch (const std::exception & e) {
-        return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the answer could not be parsed: %s", e.what()));
+        if (err && err_cap > 0) {
+            std::snprintf(err, err_cap, "the answer could not be parsed: %s", e.what());
+        }
+        return MESHNET_ERR_INVALID_ARGUMENT;
     }
-    return give_text(stage, message, out, capacity, n_out);
+    return give_text(nullptr, message, out, capacity, n_out);
 }
 
 meshnet_status meshnet_json_schema_grammar(const char * schema, char * text, size_t capacity, size_t * n_out,

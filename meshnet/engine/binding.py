@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -107,6 +107,26 @@ def json_schema_grammar(schema: str) -> str:
     if status != 0:
         raise MeshnetError(errors.INVALID_ARGUMENT, f"the JSON schema has no grammar: {_ffi.string(err).decode(errors='replace')}")
     return _ffi.string(text).decode()
+
+
+def chat_parse(chat: dict, text: str, partial: bool = False) -> dict:
+    """TEXT, an answer to a Stage.chat_apply's prompt, as OpenAI's message (content,
+    tool_calls), by llama.cpp's common chat parser for CHAT's format; PARTIAL: the text may
+    go on (a stream). Needs no stage: the process serving the API parses the tail's text."""
+    lib = library()
+    keys = ("format", "generation_prompt", "parser")
+    chat_c = _ffi.new("char[]", json.dumps({k: chat[k] for k in keys if k in chat}).encode())
+    text_c = _ffi.new("char[]", text.encode(errors="replace"))
+    n_out, err, capacity = _ffi.new("size_t *"), _ffi.new("char[]", 1024), 1 << 12
+    while True:
+        buf = _ffi.new("char[]", capacity)
+        status = lib.meshnet_chat_parse(chat_c, text_c, int(partial), buf, capacity, n_out, err, len(err))
+        if status == lib.MESHNET_ERR_BUFFER_TOO_SMALL and n_out[0] > capacity:
+            capacity = n_out[0]
+            continue
+        if status != 0:
+            raise MeshnetError(errors.INVALID_ARGUMENT, _ffi.string(err).decode(errors="replace"))
+        return json.loads(_ffi.string(buf).decode(errors="replace"))
 
 
 @dataclass(frozen=True)
@@ -492,13 +512,6 @@ class Stage:
         common chat code (meshnet_chat_apply): the prompt, and the grammar and format its
         answer is taken in."""
         return self._json_call(self._lib.meshnet_chat_apply, _ffi.new("char[]", json.dumps(request).encode()))
-
-    def chat_parse(self, chat: dict, text: str, partial: bool = False) -> dict:
-        """TEXT, an answer to a chat_apply's prompt, as OpenAI's message (content, tool_calls)."""
-        keys = ("format", "generation_prompt", "parser")
-        return self._json_call(self._lib.meshnet_chat_parse,
-                               _ffi.new("char[]", json.dumps({k: chat[k] for k in keys if k in chat}).encode()),
-                               _ffi.new("char[]", text.encode(errors="replace")), int(partial))
 
     def chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str:
         """The model's own chat template (from the GGUF, applied by llama.cpp) over

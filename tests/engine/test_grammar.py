@@ -14,7 +14,7 @@ import pytest
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
-from meshnet.engine.binding import Entry, Stage, json_schema_grammar
+from meshnet.engine.binding import Entry, Stage, chat_parse, json_schema_grammar
 
 from conftest import TEST_MODELS, THREADS
 
@@ -162,10 +162,19 @@ def test_a_template_that_knows_tools_gets_them_and_its_calls_are_parsed_back(qwe
         assert chat["grammar_lazy"] and chat["trigger_patterns"] and "root ::=" in chat["grammar"]
         required = head.chat_apply({"messages": ask, "tools": [WEATHER], "tool_choice": "required"})
         assert not required["grammar_lazy"] and "root ::=" in required["grammar"]
-        message = head.chat_parse(chat, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+        # (patch 0010) required: the calls at once after the assistant's header, no text
+        # before them; one call unless parallel_tool_calls
+        rules = dict(line.split(" ::= ", 1) for line in required["grammar"].splitlines() if " ::= " in line)
+        assert rules["root"] == json.dumps(required["generation_prompt"]) + " space tool-calls"
+        assert rules["tool-calls"] == "tool-call space"
+        parallel = head.chat_apply({"messages": ask, "tools": [WEATHER], "tool_choice": "required",
+                                    "parallel_tool_calls": True})
+        assert "tool-calls ::= (tool-call space)+" in parallel["grammar"].splitlines()
+        assert chat["caps"]["supports_tools"] and chat["caps"]["supports_tool_calls"]
+        message = chat_parse(chat, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
         (call,) = message["tool_calls"]
         assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-        assert head.chat_parse(chat, "It is sunny.")["content"] == "It is sunny."
+        assert chat_parse(chat, "It is sunny.")["content"] == "It is sunny."
         # the call and its result go back into the template
         history = ask + [{"role": "assistant", "content": None, "tool_calls": [dict(call, id="c1")]},
                          {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 degrees"}]
