@@ -17,6 +17,7 @@ the receiver sends back as an ERROR message.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +32,14 @@ from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError
                                 curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
                                 top_logprobs, u64)
 
-VERSION = 8   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 9   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
               #    the session's block keys in RELEASE); speculation (drafts per round in OPEN and
               #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN);
               # 8: a grammar in OPEN's sampling, and where in the history its tokens start;
-              #    logprobs in OPEN, and each token's in TOKEN
+              #    logprobs in OPEN, and each token's in TOKEN; 9: CHAT
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -57,6 +58,9 @@ ASSIGN = "assign"          # coordinator -> a worker started with --layers auto:
 TOKENIZE = "tokenize"      # coordinator -> worker: UTF-8 text -> token ids (int32), as llama.cpp does for the model
 DETOKENIZE = "detokenize"  # coordinator -> worker: token ids (int32) -> UTF-8 text
 TEMPLATE = "template"      # coordinator -> worker: chat messages (msgpack) -> the prompt text, by the model's chat template
+CHAT = "chat"              # coordinator -> worker: an OpenAI chat request (JSON: messages with tool calls and results,
+                           # tools, tool_choice) -> the template's prompt, grammar and tool-call format (JSON),
+                           # by llama.cpp's common chat code (engine: meshnet_chat_apply)
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane
@@ -130,6 +134,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
                "limit": (INT, False, positive)},          # more tokens than this: context_full, none sent back
     DETOKENIZE: {},
     TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
+    CHAT: {},
     OK: {"sid": (INT, False, u64), "info": (DICT, False, None),
          "cached": (INT, False, nonneg),                   # OPEN's: the prompt tokens this stage restored
          "speculate": (INT, False, nonneg)},               # ... and the drafts per round it takes (0: none)
@@ -298,6 +303,21 @@ def messages_payload(msg: Message) -> list[dict]:
         raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the messages are not a list of 1 to 4096 "
                             "{'role': text, 'content': text}", msg.rid)
     return messages
+
+
+def chat_payload(msg: Message) -> dict:
+    """A CHAT's request: a JSON object whose messages are a list of 1 to 4096 objects with a
+    role (the engine checks the rest, as llama-server's parser does)."""
+    try:
+        request = json.loads(text_payload(msg))
+    except ValueError as e:
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the request is not JSON: {e}", msg.rid) from None
+    messages = request.get("messages") if isinstance(request, dict) else None
+    if not (isinstance(messages, list) and 0 < len(messages) <= 4096
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the request is not {{\"messages\": [1 to 4096 messages "
+                            "with a role], ...}", msg.rid)
+    return request
 
 
 def tokens_frame(tokens) -> memoryview:

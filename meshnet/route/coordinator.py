@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import queue
 import secrets
 import threading
@@ -245,6 +246,17 @@ class Coordinator:
                                    payload=msgpack.packb(messages, use_bin_type=True),
                                    check=_fits(size, limit, "the messages' text", "messages")).result(timeout)
         return answer.decode("utf-8", errors="replace")
+
+    def chat_apply(self, request: dict, timeout: float = 30.0, limit: int | None = None) -> dict:
+        """The model's own template over an OpenAI chat request with its tools, by llama.cpp's
+        common chat code on the head (Stage.chat_apply): the prompt, the grammar its answer
+        is held to and the format it is parsed back by. With a limit (in tokens), a request
+        whose text alone is longer than that many tokens could be is refused with
+        context_full before it is sent."""
+        data = json.dumps(request, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+        answer = self._query_stage(0, P.CHAT, {}, payload=data,
+                                   check=_fits(len(data), limit, "the messages' text", "messages")).result(timeout)
+        return json.loads(answer)
 
     def detokenize(self, tokens: list[int], timeout: float = 30.0) -> str:
         answer = self._query_stage(-1, P.DETOKENIZE, {}, payload=P.tokens_frame(list(tokens))).result(timeout)

@@ -18,13 +18,14 @@ class JobKind(enum.Enum):
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     TEMPLATE = "template"
+    CHAT = "chat"
 
     @property
     def queue(self) -> str | None:
         """The bounded queue a job of this kind waits in (None: the worker's own, unbounded)."""
         if self is JobKind.RELEASE_ALL:
             return None
-        return "text" if self in (JobKind.TOKENIZE, JobKind.DETOKENIZE, JobKind.TEMPLATE) else "control"
+        return "text" if self in (JobKind.TOKENIZE, JobKind.DETOKENIZE, JobKind.TEMPLATE, JobKind.CHAT) else "control"
 
 
 # the pair's kind frame of a session's failure, which no job asked for

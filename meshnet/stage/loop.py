@@ -12,6 +12,7 @@ through a job queue, woken by an inproc pair that also carries the replies back.
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import threading
@@ -67,7 +68,7 @@ class StageLoop(threading.Thread):
         self._handlers = {JobKind.OPEN: self._do_open, JobKind.RELEASE: self._do_release,
                           JobKind.CANCEL: self._do_cancel, JobKind.RELEASE_ALL: self._do_release_all,
                           JobKind.TOKENIZE: self._do_tokenize, JobKind.DETOKENIZE: self._do_detokenize,
-                          JobKind.TEMPLATE: self._do_template}
+                          JobKind.TEMPLATE: self._do_template, JobKind.CHAT: self._do_chat}
         self.pair = ctx.socket(zmq.PAIR)
         self.pair.connect(control_endpoint)
         self.data = sockets.data_pull(ctx, max_frame=2 * (max_payload + P.MAX_HEADER_BYTES))
@@ -342,6 +343,10 @@ class StageLoop(threading.Thread):
     def _do_template(self, job: Job) -> None:
         text = self.stage.chat_template(P.messages_payload(job.msg), job.msg.get("add_generation_prompt", True))
         self._reply(job, P.encode(P.OK, job.rid, payload=text.encode(errors="surrogatepass")))
+
+    def _do_chat(self, job: Job) -> None:
+        answer = self.stage.chat_apply(P.chat_payload(job.msg))
+        self._reply(job, P.encode(P.OK, job.rid, payload=json.dumps(answer).encode()))
 
     # ---- the data plane ------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class StageWorker:
             P.TOKENIZE: self._tokenize,
             P.DETOKENIZE: self._detokenize,
             P.TEMPLATE: self._template,
+            P.CHAT: self._chat,
             P.ASSIGN: self._assign,
         }
 
@@ -391,6 +392,10 @@ class StageWorker:
     def _template(self, msg: P.Message) -> None:
         self._stage_loop()
         self._queue(Job(JobKind.TEMPLATE, msg.rid, self.epoch, msg=msg))
+
+    def _chat(self, msg: P.Message) -> None:
+        self._stage_loop()
+        self._queue(Job(JobKind.CHAT, msg.rid, self.epoch, msg=msg))
 
     def _shutdown(self, msg: P.Message) -> None:
         self._send(P.encode(P.OK, msg.rid))

@@ -513,6 +513,7 @@ def coordinator_templates(real_capability: dict, live_sids: list) -> tuple[dict,
         "tokenize": lambda rng: ({}, b"hello"),
         "detokenize": lambda rng: ({}, bytes(P.tokens_frame([1, 2, 3]))),
         "template": lambda rng: ({}, msgpack.packb([{"role": "user", "content": "hi"}])),
+        "chat": lambda rng: ({}, b'{"messages": [{"role": "user", "content": "hi"}]}'),
         "shutdown": lambda rng: ({}, None),
         "disconnect": lambda rng: ({}, None),
         # the data plane's messages on the control socket
@@ -957,6 +958,10 @@ def worker_templates(router: Router) -> tuple[dict, dict, object]:
                                              msgpack.packb([{"role": "system", "content": "é" * 100},
                                                             {"role": "nobody", "content": ""}]),
                                              msgpack.packb({"role": "user"}), b"\xc1", None])),
+        "chat": lambda rng: ({}, rng.choice([b'{"messages": [{"role": "user", "content": "hi"}]}',
+                                             b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}',
+                                             b'{"messages": [{"role": "tool"}], "tool_choice": "sometimes"}',
+                                             b'{"messages": []}', b'{"messages": [1]}', b"[]", b"{", b"\xff", None])),
         # a range for a worker that holds one already (only --layers auto workers take one)
         "assign": lambda rng: ({"layers": rng.choice([[0, 15], [15, 30], [0, 1 << 19], [29, 30], [5, 4]])}, None),
         # the wrong direction: what a worker sends, sent to a worker
