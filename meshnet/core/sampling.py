@@ -39,6 +39,10 @@ class Sampling:
     grammar_lazy: bool = False
     trigger_patterns: tuple[str, ...] = ()
     trigger_tokens: tuple[int, ...] = ()
+    # the last this many tokens of the prompt are the grammar's too: a chat template's
+    # generation prompt, which llama.cpp's tool-call grammars begin with (it feeds them to
+    # the grammar before the first draw, as common/sampling.cpp does)
+    grammar_prefill: int = 0
 
     def __post_init__(self):
         def number(name, low, high, integer=False):
@@ -59,6 +63,7 @@ class Sampling:
         number("frequency_penalty", -2.0, 2.0)
         number("presence_penalty", -2.0, 2.0)
         number("seed", 0, MAX_SEED, integer=True)
+        number("grammar_prefill", 0, 4096, integer=True)
         if not isinstance(self.grammar, str) or len(self.grammar.encode(errors="replace")) > MAX_GRAMMAR_BYTES:
             raise MeshnetError(E.INVALID_ARGUMENT, f"grammar must be GBNF text of at most {MAX_GRAMMAR_BYTES} bytes",
                                field="grammar")

@@ -351,7 +351,8 @@ class SessionTable:
                 sampling=session.sampling.to_wire() if i == last and session.sampling else None,
                 # the head drafts from the session's tokens: the prompt, then those it is fed
                 history=list(gen.prompt) if (i == last and session.sampling) or (i == 0 and speculate) else None,
-                grammar_from=gen.n_prompt if i == last and session.sampling and session.sampling.grammar else None,
+                grammar_from=max(0, gen.n_prompt - session.sampling.grammar_prefill)
+                if i == last and session.sampling and session.sampling.grammar else None,
                 prefix=session.prefix or None, speculate=speculate or None,
                 logprobs=session.logprobs if i == last else None)))
 
