@@ -28,7 +28,8 @@ from meshnet.core.metrics import prometheus_text
 from meshnet.serve import console
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
-                                  field_path, tool_plan)
+                                  field_path, tool_request)
+from meshnet.serve.tools import generic_message
 
 # The largest request body taken: a bigger one is refused (413) before it is read. It is
 # well above any prompt a context holds (a 3,000,000-character prompt is let through, to
@@ -159,11 +160,17 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         check_request(body)
-        plan = tool_plan(body)
-        messages = chat_messages(body.messages, plan)
+        tools = tool_request(body)
+        messages = chat_messages(body.messages)
+        plan = await completions.tool_plan(tools, messages) if tools is not None else None
+        if plan is not None:
+            return await completions.answer(request, body, True,
+                                            lambda limit: plan.tokens(coordinator, messages, limit),
+                                            body.max_completion_tokens or body.max_tokens, plan)
+        plain = [generic_message(m) for m in messages]
         return await completions.answer(request, body, True,
-                                        lambda limit: chat_prompt_tokens(coordinator, messages, limit),
-                                        body.max_completion_tokens or body.max_tokens, plan)
+                                        lambda limit: chat_prompt_tokens(coordinator, plain, limit),
+                                        body.max_completion_tokens or body.max_tokens)
 
     @v1.post("/completions")
     async def text_completions(request: Request, body: CompletionRequest):

@@ -20,7 +20,7 @@ from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
 from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, logprobs_of, sampling_of, sse
-from meshnet.serve.tools import ToolPlan
+from meshnet.serve.tools import ToolRequest, plan_of
 
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
@@ -235,9 +235,19 @@ class Completions:
     def __init__(self, coordinator, model: str):
         self.coordinator, self.model = coordinator, model
         self.slots = Slots()
+        self.caps: dict | None = None   # the chat template's capabilities, asked of the head once
 
-    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None,
-                     plan: ToolPlan | None = None):
+    async def tool_plan(self, tools: ToolRequest, messages: list[dict]):
+        """How the answer calls TOOLS (serve/tools.py): in the template's own format where
+        it has one, else in the generic one (None: a plain chat)."""
+        def plan():
+            if self.caps is None:
+                self.caps = self.coordinator.chat_apply({"messages": [{"role": "user", "content": "hi"}]})["caps"]
+            n_ctx, _ = route_limits(self.coordinator)
+            return plan_of(tools, self.caps, self.coordinator, messages, n_ctx - 1)
+        return await run_in_threadpool(plan)
+
+    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None, plan=None):
         """The response to a checked request: TOKENS_OF(limit) gives the prompt's tokens;
         PLAN: the tools the answer may call (serve/tools.py)."""
         if body.model != self.model:
@@ -249,6 +259,7 @@ class Completions:
         sampling = sampling_of(body, plan)
         logprobs = body.logprobs_asked()
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops += plan.stops if plan is not None else []
         session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs)
         try:   # the session's first event: an error before it is the request's status
             first = await session.next(request)
@@ -263,13 +274,13 @@ class Completions:
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if not body.stream or plan is not None:   # (an answer that may call tools is whole before it is known)
+        if not body.stream or (plan is not None and not plan.streams_content):   # (one in JSON is whole first)
             try:
                 text = "".join([t async for t in answer.texts(request)])
             except ClientGone:
                 return Response(status_code=499)
             entries, _ = answer.take_logprobs()
-            content, calls = plan.parse(text) if plan is not None else (text, None)
+            content, calls = _parsed(plan, text) if plan is not None else (text, None)
             finish = "tool_calls" if calls else answer.finish_reason
             if not body.stream:
                 return dict(head, choices=[choice(chat, content, finish, False, logprobs_of(chat, entries), calls)],
@@ -279,7 +290,9 @@ class Completions:
                                                    _usage(tokens, answer) if include_usage else None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        return StreamingResponse(_events(request, answer, head, chat, tokens, include_usage),
+        events = (_tool_events(request, answer, head, plan, tokens, include_usage) if plan is not None
+                  else _events(request, answer, head, chat, tokens, include_usage))
+        return StreamingResponse(events,
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _open(self, chat: bool, tokens_of, max_tokens: int | None, sampling: Sampling | None,
@@ -328,6 +341,58 @@ async def _whole_events(head: dict, content: str | None, calls: list | None, fin
     yield sse(dict(head, choices=[choice(True, None, finish, True)], **extra))
     if usage is not None:
         yield sse(dict(head, choices=[], usage=usage))
+    yield "data: [DONE]\n\n"
+
+
+def _parsed(plan, text: str) -> tuple[str | None, list | None]:
+    """The whole answer's (content, tool_calls) by PLAN; a text its format cannot take (cut
+    short by max_tokens inside a call) is content as it came."""
+    try:
+        return plan.parse(text)
+    except MeshnetError:
+        return text, None
+
+
+async def _tool_events(request: Request, answer: Answer, head: dict, plan, tokens: list[int], include_usage: bool):
+    """A chat answer that may call tools, in the template's own format, as OpenAI's chunks:
+    the text before any call as it comes (each piece parsed with what came before, so a
+    call's start is never shown as text), then the calls, each whole, and the finish."""
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return sse(dict(head, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                        **extra))
+
+    yield chunk({"role": "assistant", "content": ""})
+    text, shown = "", ""
+    try:
+        async for piece in answer.texts(request):
+            text += piece
+            try:
+                content = plan.parse(text, partial=True)[0] or ""
+            except MeshnetError:
+                continue   # (a text the parser cannot take yet: the whole one decides)
+            if len(content) > len(shown) and content.startswith(shown):
+                yield chunk({"content": content[len(shown):]})
+                shown = content
+    except MeshnetError as e:   # after the first token the status is sent: the error goes in the stream
+        yield sse(ApiError.of(e).body())
+        yield "data: [DONE]\n\n"
+        return
+    except ClientGone:
+        return
+    content, calls = _parsed(plan, text)
+    delta = {}
+    if content and content.startswith(shown) and len(content) > len(shown):
+        delta["content"] = content[len(shown):]
+    if calls:
+        delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+    entries, _ = answer.take_logprobs()
+    if delta or entries:
+        yield chunk(delta, logprobs=logprobs_of(True, entries))
+    yield chunk({}, "tool_calls" if calls else answer.finish_reason)
+    if include_usage:
+        yield sse(dict(head, choices=[], usage=_usage(tokens, answer)))
     yield "data: [DONE]\n\n"
 
 

@@ -18,7 +18,7 @@ from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import Sampling
 from meshnet.engine import models
 from meshnet.serve.structured import grammar_of
-from meshnet.serve.tools import ToolPlan, generic_message, plan_of
+from meshnet.serve.tools import ToolRequest, request_of
 
 RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -283,28 +283,32 @@ def check_request(body: _Request) -> None:
                                param=at + ".text")
 
 
-def tool_plan(body: _Request) -> ToolPlan | None:
-    """The tools of a chat request (serve/tools.py); None: none to call."""
+def tool_request(body: _Request) -> ToolRequest | None:
+    """The tools of a chat request, checked (serve/tools.py); None: none to call."""
     if not isinstance(body, ChatRequest):
         return None
     try:
-        plan = plan_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        request = request_of(body.tools, body.tool_choice, body.parallel_tool_calls)
     except MeshnetError as e:
         raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
-    if plan is not None and (body.grammar is not None or (body.response_format and body.response_format.type != "text")):
+    if request is not None and (body.grammar is not None or (body.response_format and body.response_format.type != "text")):
         raise ApiError(400, "tools and a response_format or grammar cannot both be given: each fixes the answer's form",
                        code=errors.INVALID_ARGUMENT, param="tools")
-    return plan
+    return request
 
 
-def sampling_of(body: _Request, plan: ToolPlan | None = None) -> Sampling | None:
+def sampling_of(body: _Request, plan=None) -> Sampling | None:
     """No temperature: greedy (meshnet's default). A temperature without a seed: a fresh
-    seed per request. A response_format, grammar or tools to call: the tail's grammar."""
+    seed per request. A response_format, grammar or tools to call (PLAN, serve/tools.py):
+    the tail's grammar."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
     try:
-        grammar = plan.grammar if plan is not None else grammar_of(body.response_format, body.grammar)
-        if grammar:
-            given["grammar"] = grammar
+        if plan is not None:
+            given.update(plan.grammar_fields())
+        else:
+            grammar = grammar_of(body.response_format, body.grammar)
+            if grammar:
+                given["grammar"] = grammar
         if not given:
             return None
         return answer_sampling(Sampling(**given), "seed" in given)
@@ -312,16 +316,23 @@ def sampling_of(body: _Request, plan: ToolPlan | None = None) -> Sampling | None
         raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
 
 
-def chat_messages(messages: list[Message], plan: ToolPlan | None = None) -> list[dict]:
-    """OpenAI's messages as the chat template takes them: role and content text (the
-    messages as check_request has taken them; tool calls and results as text, and the
-    tools' instruction with PLAN)."""
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI's messages as checked (check_request), as plain data: role, content text
+    (parts joined), and an assistant's tool calls or a tool result's call id and name."""
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        out.append(generic_message("system" if m.role == "developer" else m.role, content, m.tool_calls,
-                                   m.tool_call_id, m.name))
-    return plan.messages(out) if plan is not None else out
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 def sse(obj) -> str:

@@ -1,10 +1,18 @@
-"""Tool calls for `meshnet serve` in the generic format (llama.cpp's, before its chat code
-learnt each family's own): the tools are described to the model in a system message, and
-the answer is held by a JSON schema's grammar to `{"tool_calls": [{"name", "arguments"}]}`
-(a call, or several with parallel_tool_calls) or, with tool_choice auto, `{"response": text}`.
-So any model answers a named or required tool_choice with a valid call to the tools asked
-for, whatever its chat template knows. A conversation's tool calls and results go back to the
-template as text in the same JSON."""
+"""Tool calls for `meshnet serve`. A chat request's tools are checked once (request_of),
+then answered in one of two ways:
+
+- NativePlan, for a chat template that knows tools (Qwen2.5's Hermes format, Llama 3's,
+  Mistral's...): llama.cpp's common chat code on the head (the CHAT message) puts the
+  tools, the calls and their results into the model's own template, and gives the grammar
+  the tail holds the answer to and the format it is parsed back by (here, by the same
+  code), as llama-server does.
+- GenericPlan, for one that does not (SmolLM2's): the generic format (llama.cpp's, before
+  its chat code learnt each family's own): the tools are described in a system message,
+  and the answer is held by a JSON schema's grammar to `{"tool_calls": [{"name",
+  "arguments"}]}` (a call, or several with parallel_tool_calls) or, with tool_choice auto,
+  `{"response": text}`. The calls and results of the conversation go back as that JSON.
+
+Either way a named or required tool_choice gets a valid call to the tools asked for."""
 
 from __future__ import annotations
 
@@ -14,8 +22,9 @@ import secrets
 from dataclasses import dataclass
 
 from meshnet.core import errors
+from meshnet.core.conversation import prompt_tokens
 from meshnet.core.errors import MeshnetError
-from meshnet.engine.binding import json_schema_grammar
+from meshnet.engine.binding import chat_parse, json_schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 INSTRUCTION = ("You can call these tools (JSON schemas of their arguments):\n{tools}\n\n"
@@ -28,41 +37,28 @@ def _refused(message: str, field: str) -> MeshnetError:
     return MeshnetError(errors.INVALID_ARGUMENT, message, field=field)
 
 
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 @dataclass
-class ToolPlan:
-    grammar: str
-    instruction: str
-
-    def messages(self, messages: list[dict]) -> list[dict]:
-        """The chat with the tools' instruction at the head of its system message."""
-        if messages and messages[0]["role"] == "system":
-            return [{"role": "system", "content": messages[0]["content"] + "\n\n" + self.instruction}] + messages[1:]
-        return [{"role": "system", "content": self.instruction}] + messages
-
-    @staticmethod
-    def parse(text: str) -> tuple[str | None, list[dict] | None]:
-        """The answer's (content, OpenAI tool_calls): one or the other. A text the grammar
-        held yet cut short (max_tokens) is content as it came."""
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            return text, None
-        if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
-            return None, [{"id": "call_" + secrets.token_hex(12), "type": "function",
-                           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
-                          for call in answer["tool_calls"]]
-        if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-            return answer["response"], None
-        return text, None
+class ToolRequest:
+    """A chat request's tools as checked: the functions the answer may call, and how."""
+    tools: list[dict]        # OpenAI's tool objects of those functions (a named tool_choice: it alone)
+    parameters: dict         # each one's name -> the JSON schema of its arguments
+    descriptions: dict       # ... -> its description
+    choice: str              # "auto", "none" or "required" (a named function is required, alone)
+    parallel: bool
 
 
-def plan_of(tools, tool_choice, parallel: bool | None) -> ToolPlan | None:
-    """The plan of a chat request's tools (None: no tools, or tool_choice none)."""
+def request_of(tools, tool_choice, parallel: bool | None) -> ToolRequest | None:
+    """The checked tools of a chat request (None: no tools); a bad tool or tool_choice is
+    an INVALID_ARGUMENT naming its field."""
     if tool_choice is not None and tools is None:
         raise _refused("tool_choice needs tools", "tool_choice")
     if not tools:
         return None
-    schemas = {}
+    parameters, descriptions, offered = {}, {}, {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if tool.type != "function":
@@ -71,50 +67,162 @@ def plan_of(tools, tool_choice, parallel: bool | None) -> ToolPlan | None:
         if not NAME.match(function.name):
             raise _refused(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, not {function.name!r}",
                            where + ".function.name")
-        if function.name in schemas:
+        if function.name in parameters:
             raise _refused(f"{where}.function.name {function.name!r} names two tools", where + ".function.name")
-        parameters = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
-        if parameters.get("type", "object") != "object":
+        schema = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+        if schema.get("type", "object") != "object":
             raise _refused(f"{where}.function.parameters must be a JSON schema of an object",
                            where + ".function.parameters")
         try:
-            json_schema_grammar(json.dumps(parameters))   # a schema the grammar builder cannot take is the tool's fault
+            json_schema_grammar(json.dumps(schema))   # a schema the grammar builder cannot take is the tool's fault
         except MeshnetError as e:
             raise _refused(f"{where}.function.parameters: {e.message}", where + ".function.parameters") from None
-        schemas[function.name] = (function, parameters)
+        parameters[function.name], descriptions[function.name] = schema, function.description or ""
+        offered[function.name] = {"type": "function", "function": {
+            "name": function.name, "description": function.description or "", "parameters": schema}}
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise _refused(f"tool_choice must be auto, none, required or a function, not {choice!r}", "tool_choice")
-        if choice == "none":
-            return None
-        names = list(schemas)
+        names = list(parameters)
     else:
-        if choice.type != "function" or choice.function.name not in schemas:
+        if choice.type != "function" or choice.function.name not in parameters:
             raise _refused(f"tool_choice names the function {choice.function.name!r}, which is not among the tools",
                            "tool_choice.function.name")
         names, choice = [choice.function.name], "required"
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schemas[name][1]},
-                       "required": ["name", "arguments"], "additionalProperties": False} for name in names]}
-    calls = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-    schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-              "additionalProperties": False}
-    if choice == "auto":
-        schema = {"anyOf": [schema, {"type": "object", "properties": {"response": {"type": "string"}},
-                                     "required": ["response"], "additionalProperties": False}]}
-    described = "\n".join(json.dumps({"name": name, "description": schemas[name][0].description or "",
-                                      "parameters": schemas[name][1]}) for name in names)
-    form = CALL_FORM + (RESPONSE_FORM if choice == "auto" else "")
-    return ToolPlan(json_schema_grammar(json.dumps(schema)), INSTRUCTION.format(tools=described, form=form))
+    return ToolRequest([offered[n] for n in names], {n: parameters[n] for n in names},
+                       {n: descriptions[n] for n in names}, choice, bool(parallel))
 
 
-def generic_message(role: str, content: str | None, tool_calls, tool_call_id: str | None, name: str | None) -> dict:
-    """A message of a conversation with tools as the template takes it: role and text."""
+def knows_tools(caps: dict) -> bool:
+    """A template (its capabilities, as llama.cpp's common chat code reads them) that
+    describes tools and writes calls in a format of its own."""
+    return bool(caps.get("supports_tools") and caps.get("supports_tool_calls"))
+
+
+class GenericPlan:
+    """The generic format: see the module's doc."""
+
+    streams_content = False   # the answer is JSON until it is whole
+    stops: list[str] = []
+
+    def __init__(self, request: ToolRequest):
+        call = {"anyOf": [{"type": "object",
+                           "properties": {"name": {"const": name}, "arguments": request.parameters[name]},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for name in request.parameters]}
+        calls = {"type": "array", "items": call, "minItems": 1, **({} if request.parallel else {"maxItems": 1})}
+        schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                  "additionalProperties": False}
+        if request.choice == "auto":
+            schema = {"anyOf": [schema, {"type": "object", "properties": {"response": {"type": "string"}},
+                                         "required": ["response"], "additionalProperties": False}]}
+        described = "\n".join(json.dumps({"name": name, "description": request.descriptions[name],
+                                          "parameters": request.parameters[name]}) for name in request.parameters)
+        form = CALL_FORM + (RESPONSE_FORM if request.choice == "auto" else "")
+        self.grammar = json_schema_grammar(json.dumps(schema))
+        self.instruction = INSTRUCTION.format(tools=described, form=form)
+
+    def grammar_fields(self) -> dict:
+        return {"grammar": self.grammar}
+
+    def tokens(self, coordinator, messages: list[dict], limit: int | None) -> list[int]:
+        """The prompt: the template over the chat as text, the tools' instruction at the
+        head of its system message."""
+        chat = [generic_message(m) for m in messages]
+        if chat[0]["role"] == "system":
+            chat[0] = {"role": "system", "content": chat[0]["content"] + "\n\n" + self.instruction}
+        else:
+            chat.insert(0, {"role": "system", "content": self.instruction})
+        return prompt_tokens(coordinator, chat, limit)
+
+    @staticmethod
+    def parse(text: str, partial: bool = False) -> tuple[str | None, list[dict] | None]:
+        """The answer's (content, OpenAI tool_calls): one or the other. A text the grammar
+        held yet cut short (max_tokens) is content as it came."""
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            return text, None
+        if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
+            return None, [{"id": _call_id(), "type": "function",
+                           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+                          for call in answer["tool_calls"]]
+        if isinstance(answer, dict) and isinstance(answer.get("response"), str):
+            return answer["response"], None
+        return text, None
+
+
+class NativePlan:
+    """The template's own tool format, by llama.cpp's common chat code: see the module's doc."""
+
+    streams_content = True   # text before a call is the model's, and is shown as it comes
+
+    def __init__(self, request: ToolRequest, coordinator, messages: list[dict], limit: int | None):
+        self.choice = request.choice
+        self.chat = coordinator.chat_apply({"messages": messages, "tools": request.tools,
+                                            "tool_choice": request.choice,
+                                            "parallel_tool_calls": request.parallel}, limit=limit)
+        self.stops = list(self.chat.get("additional_stops") or [])
+        # a strict grammar begins with the generation prompt (the assistant's header) that
+        # ends the prompt: those tokens are the grammar's too, as common/sampling.cpp feeds
+        # them to it; a lazy one starts at its trigger
+        header = self.chat.get("generation_prompt") or ""
+        self.header = (coordinator.tokenize(header, add_special=False, parse_special=True)
+                       if header and self.chat.get("grammar") and not self.chat.get("grammar_lazy") else [])
+        self.prefill = len(self.header)
+
+    def grammar_fields(self) -> dict:
+        chat = self.chat
+        if not chat.get("grammar"):
+            return {}
+        return {"grammar": chat["grammar"], "grammar_lazy": bool(chat["grammar_lazy"]),
+                "trigger_patterns": tuple(chat["trigger_patterns"]), "trigger_tokens": tuple(chat["trigger_tokens"]),
+                "grammar_prefill": self.prefill}
+
+    def tokens(self, coordinator, messages: list[dict], limit: int | None) -> list[int]:
+        """The template's prompt, which ends in the tokens of the grammar's header."""
+        tokens = coordinator.tokenize(self.chat["prompt"], add_special=True, parse_special=True, limit=limit)
+        if tokens[len(tokens) - len(self.header):] != self.header:
+            raise MeshnetError(errors.INTERNAL, "the template's prompt does not end in the tokens of its generation "
+                               f"prompt {self.chat['generation_prompt']!r}, which its tool-call grammar begins with")
+        return tokens
+
+    def parse(self, text: str, partial: bool = False) -> tuple[str | None, list[dict] | None]:
+        """The answer's (content, OpenAI tool_calls), by the template's format; PARTIAL: the
+        text may go on (a stream), so a call not yet closed is not given. With tool_choice
+        none a call the model writes anyway is text: it asked for none."""
+        if self.choice == "none":
+            return text, None
+        message = chat_parse(self.chat, text, partial)
+        calls = [{"id": call.get("id") or _call_id(), "type": "function",
+                  "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
+                 for call in message.get("tool_calls") or []]
+        content = message.get("content")
+        return (content if content or not calls else None), (calls or None)
+
+
+def plan_of(request: ToolRequest, caps: dict, coordinator, messages: list[dict], limit: int | None):
+    """How REQUEST's tools are answered, for a template of CAPS: the plan (blocks on the
+    head, for a template that knows tools), or None: a plain chat (tool_choice none, on a
+    template that does not know tools). A template that knows them is given them even
+    with tool_choice none, as llama-server does: the calls and results of the
+    conversation are written in its format, and the model knows what it has called."""
+    if knows_tools(caps):
+        return NativePlan(request, coordinator, messages, limit)
+    return GenericPlan(request) if request.choice != "none" else None
+
+
+def generic_message(message: dict) -> dict:
+    """A message of a conversation with tools (OpenAI's) as a template without tools takes
+    it: role and text."""
+    role, content = message["role"], message.get("content")
     if role == "tool":
-        return {"role": "user", "content": json.dumps({"tool_response": {"tool_call_id": tool_call_id, "name": name,
-                                                                          "content": content or ""}})}
-    if tool_calls:
-        calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in tool_calls]
+        return {"role": "user", "content": json.dumps({"tool_response": {
+            "tool_call_id": message.get("tool_call_id"), "name": message.get("name"), "content": content or ""}})}
+    if message.get("tool_calls"):
+        calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
+                 for c in message["tool_calls"]]
         return {"role": role, "content": json.dumps({"tool_calls": calls})}
     return {"role": role, "content": content or ""}
 

@@ -10,6 +10,7 @@ from meshnet.core.sampling import GREEDY, Sampling
 from meshnet.engine.binding import Entry, Stage
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.launch.local_cluster import LocalCluster
+from meshnet.serve.tools import knows_tools
 
 from conftest import THREADS
 
@@ -149,7 +150,9 @@ def test_seeded_sampling_is_the_same_through_two_workers_three_workers_and_the_w
         chat = [{"role": "user", "content": "What is the capital of France?"}]
         chat_text = pipe.head.chat_template(chat)
         chat_tokens = pipe.head.tokenize(chat_text, parse_special=True)
+        applied = pipe.head.chat_apply({"messages": chat})   # the Jinja template, by llama.cpp's common chat code
     assert len(expected) == 64
+    assert not knows_tools(applied["caps"])   # SmolLM2's template has no tool format: serve uses the generic one
     for ranges in ([(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]):
         with LocalCluster(smollm2_path, ranges, threads=THREADS, n_ctx=512, max_sessions=2) as cluster:
             coordinator = cluster.coordinator
@@ -162,3 +165,7 @@ def test_seeded_sampling_is_the_same_through_two_workers_three_workers_and_the_w
             with pytest.raises(MeshnetError) as e:
                 coordinator.chat_prompt([{"role": "user"}])
             assert e.value.code == E.INVALID_ARGUMENT
+            assert coordinator.chat_apply({"messages": chat}) == applied   # the CHAT message, to the head
+            with pytest.raises(MeshnetError) as e:
+                coordinator.chat_apply({"messages": chat, "tool_choice": "sometimes"})
+            assert e.value.code == E.INVALID_ARGUMENT and "tool_choice" in e.value.message
