@@ -81,7 +81,7 @@ class FakeCoordinator:
         while True:
             frames = self.recv(timeout)
             msg = P.decode(frames, 1 << 30)
-            if msg.type == P.READY:
+            if msg.type == P.READY and msg["capability"].loading is None:   # its offer, once its range is loaded
                 self.capability = msg["capability"]
                 return msg["capability"]
 

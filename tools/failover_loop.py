@@ -71,13 +71,10 @@ def main() -> int:
         every = list(cluster.processes.values())
 
         def add_spare(layers):
-            n = len(coordinator.workers_snapshot())
             process = cluster.spawn_worker(layers)
             queues[layers].append(process)
             every.append(process)
-            deadline = time.monotonic() + 60
-            while len(coordinator.workers_snapshot()) <= n and time.monotonic() < deadline:
-                time.sleep(0.05)
+            cluster.wait_offered(process)
 
         try:
             prompts = [coordinator.tokenize(text) for text, _ in work]

@@ -120,6 +120,10 @@ def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, ch
         return gen.tokens, pipe.tail.detokenize(gen.tokens), gen.metrics, gen.stop_reason
 
 
+def _say(text: str) -> None:
+    click.echo(text, err=True)
+
+
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
                     sampling=None, resume_wait=0.0, max_resumes=2, numerics=None, prefix_cache_mib=None, speculate=0):
     from meshnet.core.conversation import prompt_tokens as chat_tokens
@@ -127,7 +131,7 @@ def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, se
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
                       resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics,
-                      prefix_cache_mib=prefix_cache_mib, speculate=speculate) as cluster:
+                      prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -142,18 +146,26 @@ def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, se
 
 
 class TextStreamer:
-    """Prints the continuation as its bytes arrive; a character split across two tokens
-    is printed once whole."""
+    """Prints the prompt, then the continuation as its bytes arrive; a character split
+    across two tokens is printed once whole. The prompt waits for the first piece, so what
+    the route says while it forms (its load bars) comes before it, not inside the text."""
 
     def __init__(self, prompt: str):
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        click.echo(prompt, nl=False)
+        self.prompt: str | None = prompt
+
+    def _begin(self) -> None:
+        if self.prompt is not None:
+            click.echo(self.prompt, nl=False)
+            self.prompt = None
 
     def __call__(self, piece: bytes) -> None:
+        self._begin()
         click.echo(self.decoder.decode(piece), nl=False)
         sys.stdout.flush()
 
     def finish(self) -> None:
+        self._begin()
         click.echo(self.decoder.decode(b"", final=True))
 
 
@@ -189,7 +201,8 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, pr
         path, _ = models.resolve(model)
         ranges = read_layout(path).balanced_ranges(stages or 2)
         with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
-                          numerics=numerics, prefix_cache_mib=prefix_cache_mib, speculate=speculate) as cluster:
+                          numerics=numerics, prefix_cache_mib=prefix_cache_mib, speculate=speculate,
+                          progress=_say) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "

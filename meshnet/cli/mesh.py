@@ -17,6 +17,7 @@ from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.engine import models
+from meshnet.launch.progress import load_bars
 
 
 @click.command()
@@ -247,16 +248,6 @@ def status(url, watch, as_json):
         time.sleep(watch)
 
 
-def load_bars(snapshot: dict, width: int = 20) -> list[str]:
-    """A bar per stage loading its range (from its health's load_progress), to the tenth."""
-    lines = []
-    for s in snapshot["stages"]:
-        if s.get("state") == "loading" and s.get("load_progress") is not None:
-            done = int(s["load_progress"] * 10) / 10
-            lines.append(f"{s['stage']} {s['worker']}: [{'#' * int(done * width):<{width}}] {int(done * 100)}%")
-    return lines
-
-
 def _status_table(snapshot: dict) -> str:
     mib = 1 << 20
     rows = [f"{'stage':<10} {'worker':<12} {'rss MiB':>8} {'model MiB':>9} {'KV used MiB':>11} {'sessions':>8} "
@@ -275,4 +266,5 @@ def _status_table(snapshot: dict) -> str:
                     + ("" if s.get("in_route", True) else f"  NOT IN THE ROUTE: {s.get('kept_out') or 'no route'}"))
     sessions = ", ".join(f"{k} {v}" for k, v in snapshot["sessions"].items())
     route = f"\nno route: {snapshot['route_error']}" if snapshot.get("route_error") else ""
-    return "\n".join(rows) + f"\nsessions: {sessions}" + route
+    bars = "".join(f"\n{line}" for line in load_bars(snapshot))
+    return "\n".join(rows) + f"\nsessions: {sessions}" + route + bars

@@ -18,13 +18,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from meshnet.core import defaults
 from meshnet.core import errors
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
+from meshnet.launch.progress import load_bars
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 from meshnet.stage.config import WorkerConfig, given
@@ -33,6 +34,8 @@ PR_SET_PDEATHSIG = 1
 STOPPED_GRACE = 2.0     # seconds a child may stay stopped (SIGSTOP) while the route forms
 STDERR_TAIL_LINES = 12
 ALL_IN_GRACE = 2.0      # seconds every worker may be registered without a route forming
+BARS_EVERY_S = 0.5      # how often the load bars are asked for
+PROGRESS_LINE = "meshnet worker: loading layers"   # a worker's own line of its load's progress
 
 
 def _worker_child() -> None:
@@ -50,9 +53,9 @@ def _worker_child() -> None:
 class StderrTail(threading.Thread):
     """Passes a child's stderr through to ours, keeping its last lines for an error report."""
 
-    def __init__(self, stream, echo: bool):
+    def __init__(self, stream, echo: bool, hidden: str | None = None):
         super().__init__(name="meshnet-worker-stderr", daemon=True)
-        self.stream, self.echo = stream, echo
+        self.stream, self.echo, self.hidden = stream, echo, hidden   # HIDDEN: lines with it are kept, not echoed
         self.lines: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.start()
 
@@ -60,13 +63,37 @@ class StderrTail(threading.Thread):
         for raw in iter(self.stream.readline, b""):
             line = raw.decode(errors="replace")
             self.lines.append(line.rstrip("\n"))
-            if self.echo:
+            if self.echo and not (self.hidden and self.hidden in line):
                 sys.stderr.write(line)
                 sys.stderr.flush()
 
     def text(self) -> str:
         self.join(timeout=1)  # an exited child's last words may still be in the pipe
         return "\n".join(self.lines)
+
+
+class BarsShown:
+    """The load bars (launch/progress.py) given to PROGRESS: each stage's, when it has
+    moved."""
+
+    def __init__(self, coordinator: Coordinator, progress: Callable[[str], None]):
+        self.coordinator, self.progress = coordinator, progress
+        self.shown: list[str] = []
+        self.asked = 0.0
+
+    def update(self) -> None:
+        if time.monotonic() - self.asked < BARS_EVERY_S or not any(
+                str(state).startswith("loading") for state in self.coordinator.route_report()["standby"].values()):
+            return
+        self.asked = time.monotonic()
+        try:
+            bars = load_bars(self.coordinator.metrics(timeout=1))
+        except (MeshnetError, TimeoutError):
+            return   # (a figure late is not a reason to stop waiting for the route)
+        moved = [bar for bar in bars if bar not in self.shown]
+        if moved:
+            self.progress("\n".join(moved))
+        self.shown = bars
 
 
 def children_of(pid: int) -> list[int]:
@@ -132,6 +159,7 @@ class LocalCluster:
         numerics: str | None = None,
         trace_dir: str | None = None,
         prefix_cache_mib: int | None = None,
+        progress: Callable[[str], None] | None = None,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -146,6 +174,9 @@ class LocalCluster:
         if heartbeat_liveness is not None:
             coordinator_options["heartbeat_liveness"] = heartbeat_liveness
         self.worker_log = worker_log
+        # where a bar per stage loading its range goes while the route forms (the workers'
+        # own lines of it are then not echoed)
+        self.progress = progress
         # tracing: each worker writes its spans to stage-I.json here when it stops, the coordinator keeps its own
         self.trace_dir = trace_dir
         if trace_dir is not None:
@@ -202,8 +233,23 @@ class LocalCluster:
                                    stderr=log if self.worker_log else subprocess.PIPE, preexec_fn=_worker_child)
         self.processes[layers.as_tuple()] = process
         if not self.worker_log:
-            self.stderr_tails[layers.as_tuple()] = StderrTail(process.stderr, echo=True)
+            self.stderr_tails[layers.as_tuple()] = StderrTail(process.stderr, echo=True,
+                                                              hidden=PROGRESS_LINE if self.progress else None)
         return process
+
+    def wait_offered(self, process: subprocess.Popen, timeout: float = 60.0) -> None:
+        """Until PROCESS (a worker spawn_worker started) offers its range to the
+        coordinator: it registers as soon as it connects, and offers the range once it has
+        loaded it."""
+        deadline = time.monotonic() + timeout
+        while not any(w.get("pid") == process.pid and "layers" in w for w in self.coordinator.workers_snapshot()):
+            if process.poll() is not None:
+                raise MeshnetError(errors.WORKER_EXITED, f"the worker (pid {process.pid}) "
+                                   f"{_describe_exit(process.returncode)} before it offered its range")
+            if time.monotonic() > deadline:
+                raise MeshnetError(errors.TIMEOUT, f"the worker (pid {process.pid}) did not offer its range "
+                                   f"within {timeout:g} s")
+            time.sleep(0.05)
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
         try:
@@ -212,8 +258,11 @@ class LocalCluster:
             deadline = time.monotonic() + timeout
             stopped_since: dict[tuple[int, int], float] = {}
             all_in_since = None
+            bars = BarsShown(self.coordinator, self.progress) if self.progress else None
             while True:
                 self._check_children(stopped_since)
+                if bars is not None:
+                    bars.update()
                 try:
                     self.coordinator.wait_for_route(0.2, n_stages=len(self.ranges))
                     return self

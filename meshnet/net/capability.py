@@ -19,6 +19,7 @@ FIELDS: dict[str, tuple] = {
     "model_sha256": (STR, True, sha256),
     "arch": (STR, True, short_text),
     "layers": (LIST, False, layer_range),       # absent: --layers auto, waiting for the coordinator's plan
+    "loading": (LIST, False, layer_range),      # --layers START:END, loading them: offered once loaded
     "n_layer": (INT, True, at_most(MAX_LAYERS)),
     "n_embd": (INT, True, at_most(MAX_EMBD)),
     "n_vocab": (INT, True, at_most(MAX_VOCAB)),
@@ -67,7 +68,13 @@ def _checked_wire(capability: dict, rid: int | None = None) -> dict:
     a range (and serves it on its data endpoint), or waits for one within its memory."""
     fields = checked(FIELDS, capability, "ready: capability", rid, None)
     where = "ready: capability"
-    if "layers" in fields:
+    if "layers" in fields and "loading" in fields:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: a worker holds its 'layers' or is 'loading' them, not both", rid)
+    if "loading" in fields:
+        if fields["loading"][1] > fields["n_layer"]:
+            raise ProtocolError(E.BAD_FIELD, f"{where}: loading {fields['loading']} is outside a model of "
+                                f"{fields['n_layer']} layers", rid)
+    elif "layers" in fields:
         if fields["layers"][1] > fields["n_layer"]:
             raise ProtocolError(E.BAD_FIELD, f"{where}: layers {fields['layers']} are outside a model of "
                                 f"{fields['n_layer']} layers", rid)
@@ -91,8 +98,9 @@ def _checked_wire(capability: dict, rid: int | None = None) -> dict:
 @dataclass(frozen=True)
 class Capability:
     """A worker's capability as the coordinator reads it. A worker holds a range (layers,
-    served on data_endpoint) or, started with --layers auto, waits for one within
-    mem_bytes, announcing the model's cost to be planned for."""
+    served on data_endpoint), is loading the range it was started for (loading), or,
+    started with --layers auto, waits for one within mem_bytes, announcing the model's
+    cost to be planned for."""
     worker_id: str            # the same for every connection of one worker process
     model_sha256: str
     arch: str
@@ -117,13 +125,15 @@ class Capability:
     n_cpus: int | None = None
     pid: int | None = None
     max_token_bytes: int | None = None
+    loading: tuple[int, int] | None = None
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":
         """From a READY's capability map; ProtocolError(bad_field) says what is wrong."""
         fields = _checked_wire(wire, rid)
-        if "layers" in fields:
-            fields["layers"] = tuple(fields["layers"])
+        for name in ("layers", "loading"):
+            if name in fields:
+                fields[name] = tuple(fields[name])
         if "cost" in fields:
             fields["cost"] = ModelCost.from_dict(fields["cost"])
         return cls(**fields)
@@ -135,8 +145,9 @@ class Capability:
     def to_wire(self) -> dict:
         """The map a worker sends (and `meshnet status` shows): the fields that are set."""
         wire = {k: v for k, v in asdict(self).items() if v is not None and k != "cost"}
-        if self.layers is not None:
-            wire["layers"] = list(self.layers)
+        for name in ("layers", "loading"):
+            if getattr(self, name) is not None:
+                wire[name] = list(getattr(self, name))
         if self.cost is not None:
             wire["cost"] = self.cost.to_dict()
         return wire

@@ -23,9 +23,9 @@ class WorkerRecord:
     identity: bytes
     name: str
     capability: Capability
-    offer: StageOffer | None     # None: started with --layers auto, holds nothing yet
+    offer: StageOffer | None     # None: holds nothing yet (--layers auto, or loading its range)
     liveness: Liveness
-    assigning: LayerRange | None = None   # the range it was told to load and has not yet offered
+    assigning: LayerRange | None = None   # the range it is loading (told to, or started for) and has not offered
     public_key: str | None = None         # its CURVE key, as the handshake proved it (None without CURVE)
     assign_failed: str | None = None      # why loading its range failed: it is not planned for again
     epoch: int = 0                        # its READY's: a higher one says it dropped its sessions
@@ -118,8 +118,9 @@ class Registry:
         name = f"{capability.worker_id[:8]}.{identity.hex()[-4:]}"
         order = next(self._order)
         offer = offer_from_capability(name, capability, order) if capability.holds_layers else None
-        record = self.workers[identity] = WorkerRecord(identity, name, capability, offer, liveness,
-                                                       public_key=public_key, epoch=epoch)
+        record = self.workers[identity] = WorkerRecord(
+            identity, name, capability, offer, liveness, public_key=public_key, epoch=epoch,
+            assigning=LayerRange(*capability.loading) if capability.loading else None)
         return record
 
     def remove(self, identity: bytes) -> WorkerRecord | None:
@@ -138,7 +139,7 @@ class Registry:
             waiting = self.standby()
             if not waiting:
                 raise
-            raise MeshnetError(e.code, f"{e.message}; {len(waiting)} worker(s) started with --layers auto: "
+            raise MeshnetError(e.code, f"{e.message}; {len(waiting)} worker(s) without a range yet: "
                                + ", ".join(f"{w.name} {w.standby_state}" for w in waiting)
                                + (f"; {self.plan_note}" if self.plan_note else "")) from None
 

@@ -68,7 +68,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                 echo("meshnet serve: numerics stock: one request alone gets stock llama.cpp's tokens; requests "
                      "batched together may get others (--numerics invariant holds them under any batching)")
             with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
-                              numerics=numerics, prefix_cache_mib=prefix_cache_mib, **resume) as cluster:
+                              numerics=numerics, prefix_cache_mib=prefix_cache_mib, progress=echo,
+                              **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:

@@ -77,8 +77,9 @@ class StageWorker:
         self.load_seconds: float | None = None    # ... and how long the last load took
         self.worker_id = uuid.uuid4().hex
         self.gatekeeper: Gatekeeper | None = None
+        self.load_error: MeshnetError | None = None   # why the range of --layers did not load: the worker exits
         if config.layers is not None:
-            self._serve(self._load(config.layers))
+            self._load_given_range(config.layers)
         else:
             self._wait_for_a_range()
         self.link = CoordinatorLink(self.ctx, config.coordinator, config.keys, config.coordinator_key,
@@ -163,13 +164,31 @@ class StageWorker:
 
     def _wait_for_a_range(self) -> None:
         """--layers auto: announce the budget and the model's costs, hold nothing yet."""
+        layout = self._layout()
+        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
+        self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
+                               admitted_bytes=self.config.mem, cost=self.cost.to_dict())
+
+    def _load_given_range(self, layers) -> None:
+        """--layers START:END: load them in a thread, announced as loading meanwhile, so
+        the coordinator (and `meshnet status`, the console) show the load's progress; the
+        range is offered when it is loaded."""
+        layout = self._layout()
+        start, end = layers
+        if end > layout.n_layer:
+            raise MeshnetError(E.BAD_RANGE, f"layers [{start},{end}) are outside the model's {layout.n_layer}")
+        self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
+                               loading=[start, end], admitted_bytes=self.config.mem or 0)
+        self._start_loading(None, (start, end))
+
+    def _layout(self):
+        """The model's shape from its GGUF header; the largest payload as it will be (it
+        bounds the control socket until the range is loaded)."""
         from meshnet.engine.gguf_layout import read_layout
 
         layout = read_layout(self.config.model_path)
-        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
-        self.max_payload = self.config.n_batch * layout.n_embd * 4   # as it will be: bounds the control socket too
-        self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
-                               admitted_bytes=self.config.mem, cost=self.cost.to_dict())
+        self.max_payload = self.config.n_batch * layout.n_embd * 4
+        return layout
 
     def _serve(self, stage: Stage) -> None:
         """Hold STAGE: its stage loop and data endpoint, and a capability that offers it."""
@@ -298,8 +317,10 @@ class StageWorker:
 
     def _stage_loop(self) -> StageLoop:
         if self.loop is None:
+            if self.loading is not None:
+                raise MeshnetError(E.UNASSIGNED, "this worker holds no layers yet: it is loading its range")
             raise MeshnetError(E.UNASSIGNED, "this worker holds no layers yet: it waits for the coordinator to "
-                               "assign it a range" + (" (loading one now)" if self.loading else ""))
+                               "assign it a range")
         return self.loop
 
     def _assign(self, msg: P.Message) -> None:
@@ -317,31 +338,38 @@ class StageWorker:
         if need > self.config.mem:
             raise MeshnetError(E.MODEL_DOES_NOT_FIT, f"layers [{start},{end}) need {format_size(need)}; this worker "
                                f"admits {format_size(self.config.mem)} (--mem)")
+        self._start_loading(msg.rid, (start, end))
+
+    def _start_loading(self, rid: int | None, layers: tuple[int, int]) -> None:
+        """Load LAYERS in a thread: the socket loop goes on with heartbeats and health
+        meanwhile. RID: the ASSIGN to answer when it is done (None: the range of --layers)."""
         future: Future = Future()
 
         def load():
             try:
-                future.set_result(self._load((start, end)))
+                future.set_result(self._load(layers))
             except BaseException as e:  # handed to the socket loop, which answers with it
                 future.set_exception(e)
         threading.Thread(target=load, name="meshnet-load", daemon=True).start()
-        self.loading = (msg.rid, future)
+        self.loading = (rid, future)
 
     def _finish_loading(self) -> None:
         rid, future = self.loading
         self.loading = None
         try:
             stage = future.result()
-        except MeshnetError as e:
-            self._refuse(rid, e.code, e.message)
-            return
         except Exception as e:
-            self._refuse(rid, E.MODEL_LOAD, f"loading the assigned range failed: {e}")
+            error = e if isinstance(e, MeshnetError) else MeshnetError(E.MODEL_LOAD, f"loading the range failed: {e}")
+            if rid is None:   # the range it was started for: nothing else to serve
+                self.load_error, self.stopping = error, True
+            else:
+                self._refuse(rid, error.code, error.message)
             return
         self._serve(stage)
         self.loop.start()
         self.poller.register(self.results, zmq.POLLIN)
-        self._send(P.encode(P.OK, rid))
+        if rid is not None:
+            self._send(P.encode(P.OK, rid))
         self._announce()
 
     def _health(self, msg: P.Message) -> None:
@@ -437,8 +465,9 @@ class StageWorker:
                     self._refuse(None, E.OVERSIZED, why)
                 else:
                     self._handle(frames)
-            if self.stopping and sum(self.queued.values()) == 0 and not (self.loop and self.loop.jobs) \
-                    and self.loading is None:
+            # (a load under way is not waited for: it holds no session, and may take minutes)
+            if self.stopping and (self.loading is not None
+                                  or (sum(self.queued.values()) == 0 and not (self.loop and self.loop.jobs))):
                 break
             if self.link.monitor in events:
                 self.link.on_event()
@@ -455,7 +484,10 @@ class StageWorker:
                 self._announce()  # dropped unless connected
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
-        return self._stop()
+        self._stop()
+        if self.load_error is not None:
+            raise self.load_error
+        return 0
 
     def _watch_link(self) -> None:
         self.poller.register(self.link.dealer, zmq.POLLIN)

@@ -86,14 +86,10 @@ class Stages:
         self.all = list(cluster.processes.values())
 
     def add_spare(self, layers):
-        n = len(self.cluster.coordinator.workers_snapshot())
         process = self.cluster.spawn_worker(layers)
         self.queues[layers].append(process)
         self.all.append(process)
-        deadline = time.monotonic() + 60
-        while len(self.cluster.coordinator.workers_snapshot()) <= n:
-            assert time.monotonic() < deadline, "a spare worker never registered"
-            time.sleep(0.05)
+        self.cluster.wait_offered(process)
 
     def kill_route_stage(self, layers):
         os.kill(self.queues[layers].popleft().pid, signal.SIGKILL)

@@ -849,7 +849,7 @@ class Router:
                 msg = self.replies.take(frames)
                 if msg is not None:
                     self._check_control(msg)
-                    if msg.type == P.READY:
+                    if msg.type == P.READY and msg["capability"].loading is None:   # (its offer, once loaded)
                         self.readies += 1
                         self.capability = msg["capability"]
                 if until_new_identity and identity != old_identity:

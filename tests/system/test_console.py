@@ -89,7 +89,9 @@ def test_the_console_shows_the_route_streams_a_chat_and_shows_a_resume(smollm2_p
             shot(browser, "console-chat")
 
             spare = worker(address, "15:30", smollm2_path)
-            until(browser, "the spare", lambda: len(browser.find_elements("css selector", ".stage")) == 3)
+            # (it shows as soon as it connects, with its bar while it loads: it is a spare once loaded)
+            until(browser, "the spare, loaded", lambda: len(browser.find_elements("css selector", ".stage")) == 3
+                  and not browser.find_elements("css selector", ".stage .bar"))
             client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
             stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=200,
                                                     messages=[{"role": "user", "content": "Tell me a long story."}])
