@@ -344,6 +344,12 @@ async def _whole_events(head: dict, content: str | None, calls: list | None, fin
     yield "data: [DONE]\n\n"
 
 
+def _stream_ended_by(error: MeshnetError) -> str:
+    """The events that end a stream on ERROR: after the first token the status is sent,
+    so the error goes in the stream, OpenAI-shaped, then [DONE]."""
+    return sse(ApiError.of(error).body()) + "data: [DONE]\n\n"
+
+
 def _parsed(plan, text: str) -> tuple[str | None, list | None]:
     """The whole answer's (content, tool_calls) by PLAN; a text its format cannot take (cut
     short by max_tokens inside a call) is content as it came."""
@@ -376,8 +382,7 @@ async def _tool_events(request: Request, answer: Answer, head: dict, plan, token
                 yield chunk({"content": content[len(shown):]})
                 shown = content
     except MeshnetError as e:   # after the first token the status is sent: the error goes in the stream
-        yield sse(ApiError.of(e).body())
-        yield "data: [DONE]\n\n"
+        yield _stream_ended_by(e)
         return
     except ClientGone:
         return
@@ -411,8 +416,7 @@ async def _events(request: Request, answer: Answer, head: dict, chat: bool, toke
         async for text in answer.texts(request):
             yield chunk(text)
     except MeshnetError as e:   # after the first token the status is sent: the error goes in the stream
-        yield sse(ApiError.of(e).body())
-        yield "data: [DONE]\n\n"
+        yield _stream_ended_by(e)
         return
     except ClientGone:
         return
