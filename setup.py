@@ -17,6 +17,8 @@ setup(
         # meshnet serve: the ASGI stack llama-cpp-python's and vLLM's servers use
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        # LAN discovery of a coordinator by mDNS/DNS-SD (meshnet.net.discovery), not hand-made multicast
+        "zeroconf>=0.130",
     ],
     # the real OpenAI client and an agent framework's against meshnet serve; a real terminal
     # for meshnet chat; a real browser (Debian's chromium) driving the console
