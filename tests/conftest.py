@@ -20,6 +20,10 @@ from meshnet.engine import models
 
 THREADS = 2  # parity is exact for the same thread count
 
+# No coordinator a test starts announces itself by mDNS on this machine's real interfaces:
+# the tests of discovery do it inside network namespaces of their own, and say so.
+os.environ["MESHNET_ANNOUNCE"] = "0"
+
 # The default run downloads nothing: it runs on the generated models (make test-models).
 # Tests of the real models, which come from PyPI, run only when this is set (make test sets it).
 REAL_MODELS = os.environ.get("MESHNET_ENABLE_REAL_INFERENCE_TESTS") == "1"

@@ -21,11 +21,17 @@ from meshnet.launch.progress import load_bars
 
 
 @click.command()
-@click.option("--coordinator", required=True, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
-@click.option("--model", default=None, help="model name or GGUF path [default: smollm2]")
-@click.option("--layers", required=True, callback=usage_error(lambda v: None if v == "auto" else LayerRange.parse(v)),
+@click.option("--join", "join_token", default=None, envvar="MESHNET_JOIN",
+              help="the token `meshnet coordinator` printed: its address, key and credential; without --model the "
+                   "worker fetches its layers' bytes from the mesh [env: MESHNET_JOIN]")
+@click.option("--discover", is_flag=True,
+              help="find the coordinator on the LAN by mDNS (with --join: the one whose key the token names)")
+@click.option("--coordinator", default=None, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
+@click.option("--model", default=None, help="model name or GGUF path [default: smollm2; with --join: the "
+                                            "coordinator's model, fetched]")
+@click.option("--layers", default=None, callback=usage_error(lambda v: None if v == "auto" else LayerRange.parse(v)),
               help="the half-open layer range A:B this worker holds, e.g. 0:15, or 'auto': the coordinator plans it "
-                   "within --mem")
+                   "within --mem [default with --join: auto]")
 @click.option("--mem", default=None, callback=usage_error(parse_size),
               help="memory this worker admits, e.g. 800M or 1.5G (with --layers auto: the planner's budget for it)")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
@@ -55,38 +61,64 @@ from meshnet.launch.progress import load_bars
                    "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
                    "most half the CPUs, so no stage beside it computes where it spins; else 0]")
 @prefix_cache_option
-def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind, cpu, heartbeat_interval,
-           heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics, trace, spin_ms,
-           prefix_cache_mib):
+def worker(join_token, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind,
+           cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics,
+           trace, spin_ms, prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.stage.config import WorkerConfig, given
     from meshnet.stage.worker import StageWorker
 
+    layers_given = click.get_current_context().get_parameter_source("layers").name == "COMMANDLINE"
+    if not layers_given and join_token is None:
+        raise click.UsageError("give --layers A:B or --layers auto (or --join TOKEN, which plans them)")
     if layers is None and mem is None:
         raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
     if (secret_file is None) != (coordinator_key_file is None):
         raise click.UsageError("--secret and --coordinator-key go together: this worker's key and the coordinator's")
-    refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
+    if join_token is not None and secret_file is not None:
+        raise click.UsageError("--join carries the keys: drop --secret and --coordinator-key")
+    if coordinator is None and join_token is None and not discover:
+        raise click.UsageError("where is the coordinator? give --join TOKEN, --coordinator ADDRESS or --discover")
+    refuse_open_without_keys("--data-bind", data_bind, secret_file or join_token, insecure)
     if numerics == "baseline":
         # the engine before the classes turned the tiled matmul off for its whole process
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    holder = None
     try:
+        from meshnet.launch.joining import Joined, join_mesh
+
         # a mistyped address fails before the model is looked for (and installed from its package)
-        addresses.checked(coordinator, "--coordinator")
+        if coordinator is not None:
+            addresses.checked(coordinator, "--coordinator")
         addresses.checked(data_bind, "--data-bind")
-        path, sha256 = models.resolve(model)
-        config = WorkerConfig(coordinator=coordinator, model_path=str(path), layers=layers,
+        keys = security.load_secret(secret_file) if secret_file else None
+        coordinator_key = security.load_public(coordinator_key_file) if coordinator_key_file else None
+        joined = Joined(coordinator, keys, coordinator_key, None, None)
+        if join_token is not None or discover:
+            joined = join_mesh(join_token, coordinator, discover, model, data_bind,
+                               echo=lambda line: click.echo(line, err=True))
+            holder = joined.holder
+        if joined.fetch is not None:
+            path, sha256 = joined.fetch.path, joined.fetch.manifest.sha256
+        else:
+            path, sha256 = models.resolve(model)
+        config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
-                              spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib,
-                              keys=security.load_secret(secret_file) if secret_file else None,
-                              coordinator_key=security.load_public(coordinator_key_file) if coordinator_key_file else None,
+                              spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
+                              coordinator_key=joined.coordinator_key, fetch=joined.fetch,
+                              weights=holder.endpoint if holder is not None else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                                       heartbeat_liveness=heartbeat_liveness))
-        sys.exit(StageWorker(config).run())
+        status = StageWorker(config).run()
     except MeshnetError as e:
+        if holder is not None:
+            holder.close()
         fail(e)
+    if holder is not None:
+        holder.close()
+    sys.exit(status)
 
 
 @click.command()
@@ -107,21 +139,31 @@ def worker(coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_qu
               help="where the stages send tokens back, e.g. tcp://10.0.0.1:5556 (a fixed port for a firewall) "
                    "[default: the --bind address's host, a free port]")
 @click.option("--secret", "secret_file", default=None,
-              help="the coordinator's CURVE key (NAME.key_secret): workers must connect with a key in --allow")
-@click.option("--allow", "allow_path", default=None, help="the workers' public keys: a NAME.key file or a directory of them")
-@click.option("--insecure", is_flag=True, help="serve a non-loopback --bind without keys: anyone who can reach it may "
-                                                 "register as a worker")
+              help="the coordinator's CURVE key (NAME.key_secret) [default: this host's, made once under "
+                   "$MESHNET_HOME/keys]")
+@click.option("--allow", "allow_path", default=None,
+              help="workers' public keys admitted besides the join token's: a NAME.key file or a directory of them")
+@click.option("--model", default=None,
+              help="a model (name or GGUF path) whose bytes this host serves to workers that join without the file")
+@click.option("--announce/--no-announce", default=None,
+              help="announce this coordinator on the LAN by mDNS when it listens beyond loopback "
+                   "[default: yes, unless MESHNET_ANNOUNCE=0]")
+@click.option("--insecure", is_flag=True, help="no keys: plain links, and anyone who can reach --bind may register as "
+                                                 "a worker (no join token)")
 @resume_options
 @speculate_option
 def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mixed, reference, data_bind, secret_file,
-                allow_path, insecure, resume_wait, max_resumes, speculate):
+                allow_path, model, announce, insecure, resume_wait, max_resumes, speculate):
     """Track stage workers and route sessions through them.
 
-    Without --prompt it serves until Ctrl-C, printing each change of the route."""
+    Every link is CURVE with keys kept under $MESHNET_HOME/keys, and it prints the line that
+    adds a machine: `meshnet worker --join TOKEN --mem 8G`. Without --prompt it serves until
+    Ctrl-C, printing each change of the route."""
     import time
 
     from meshnet.core.text import utf8_or_error
     from meshnet.evidence.drift import DriftMeter
+    from meshnet.launch.mesh_host import MeshHost, announce_by_default
     from meshnet.net import security
     from meshnet.net.metrics_server import MetricsServer
     from meshnet.route.config import CoordinatorConfig
@@ -129,25 +171,38 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
 
     if allow_mixed and reference is None:
         raise click.UsageError("--allow-mixed needs --reference MODEL: a mixed route's output is compared with it")
-    if (secret_file is None) != (allow_path is None):
-        raise click.UsageError("--secret and --allow go together: the coordinator's key and the workers' keys")
-    refuse_open_without_keys("--bind", bind, secret_file, insecure)
-    if data_bind is not None:
-        refuse_open_without_keys("--data-bind", data_bind, secret_file, insecure)
+    if insecure and (secret_file or allow_path):
+        raise click.UsageError("--insecure runs without keys: drop it, or drop --secret and --allow")
+    if insecure:
+        refuse_open_without_keys("--bind", bind, None, insecure)
+        if data_bind is not None:
+            refuse_open_without_keys("--data-bind", data_bind, None, insecure)
+    host = coord = None
     try:
         if prompt is not None:
             utf8_or_error(prompt, "--prompt")
         reference_path = str(models.resolve(reference)[0]) if reference else None
+        held = models.resolve(model) if model else None
         keys = security.load_secret(secret_file) if secret_file else None
-        allowed = security.load_allowed(allow_path) if allow_path else None
-        config = CoordinatorConfig(bind, data_bind=data_bind, allow_mixed=allow_mixed, keys=keys,
-                                   allowed_workers=allowed, resume_wait=resume_wait, max_resumes=max_resumes,
-                                   speculate=speculate)
+        allowed = security.load_allowed(allow_path) if allow_path else set()
+        host = MeshHost(bind, keys=keys, secure=not insecure, model=held)
+        config = CoordinatorConfig(bind, data_bind=data_bind, allow_mixed=allow_mixed, resume_wait=resume_wait,
+                                   max_resumes=max_resumes, speculate=speculate, **host.coordinator_options(allowed))
         coord = Coordinator(config, drift_meter=DriftMeter(reference_path) if reference_path else None)
+        host.started(coord.endpoint, announce_by_default() if announce is None else announce)
     except MeshnetError as e:
+        if host is not None:
+            host.close()
         fail(e)
-    with coord:
+    with host, coord:
         click.echo(f"coordinator listening on {coord.endpoint}", err=True)
+        if host.holder is not None:
+            click.echo(f"serving the bytes of {held[0].name} to workers without it, on {host.holder.endpoint}",
+                       err=True)
+        joining = host.join_line()
+        if joining:
+            click.echo("to add a machine, run there:", err=True)
+            click.echo(joining, err=True)
         if metrics_port is not None:
             server = MetricsServer(coord.metrics, metrics_port)
             click.echo(f"metrics on http://127.0.0.1:{server.port}/metrics and /status", err=True)
@@ -155,6 +210,11 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
             last = None
             try:
                 while True:
+                    if joining and host.join_line() != joining:
+                        joining = host.join_line()
+                        click.echo("the join key was rotated: tokens before now are refused; to add a machine, "
+                                   "run there:", err=True)
+                        click.echo(joining, err=True)
                     report = coord.route_report()
                     status = ("route " + " ".join(report["route"]) + (" (mixed classes)" if report.get("mixed") else "")
                               if report["route"] else f"no route: {report['error']}")
@@ -199,6 +259,36 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
 @click.group()
 def keys():
     """CURVE keys for encrypted, authenticated links between coordinator and workers."""
+
+
+@keys.command("rotate-join")
+def keys_rotate_join():
+    """A new join key: every token made before is refused from now on (a running
+    coordinator prints the new join line)."""
+    from meshnet.net import join
+
+    join.JoinKey().rotate()
+    click.echo(f"join key rotated ({join.JoinKey().path}): tokens made before now are refused; "
+               "`meshnet keys join-token` or the coordinator prints the new one")
+
+
+@keys.command("join-token")
+@click.option("--address", "addresses", multiple=True,
+              help="a control endpoint the token names, e.g. tcp://10.0.0.1:5555 (repeat for several); none: the "
+                   "worker finds the coordinator by mDNS (meshnet worker --join TOKEN --discover)")
+@click.option("--mem", default="8G", show_default=True, help="the --mem the printed line suggests")
+def keys_join_token(addresses, mem):
+    """Print the join line for this host's coordinator key and the current join key."""
+    from meshnet.net import addresses as checks
+    from meshnet.net import join
+
+    try:
+        for address in addresses:
+            checks.checked(address, "--address")
+        token = join.make_token(addresses, join.coordinator_keys(), join.JoinKey().pair())
+    except MeshnetError as e:
+        fail(e)
+    click.echo(join.join_line(token, mem))
 
 
 @keys.command("generate")

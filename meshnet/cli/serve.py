@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from meshnet.cli.options import (fail, numerics_option, prefix_cache_option, refuse_open_without_keys, resume_options,
-                                 speculate_option)
+from meshnet.cli.options import (fail, numerics_option, parse_size, prefix_cache_option, refuse_open_without_keys,
+                                 resume_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core.errors import MeshnetError
 
@@ -26,8 +26,16 @@ from meshnet.core.errors import MeshnetError
 @click.option("--coordinator", "bind", default=None,
               help="instead of local workers, bind a coordinator here (e.g. tcp://0.0.0.0:5555) and serve through the "
                    "meshnet workers that connect to it")
-@click.option("--secret", "secret_file", default=None, help="with --coordinator: its CURVE key (NAME.key_secret)")
-@click.option("--allow", "allow_path", default=None, help="with --coordinator: the workers' public keys (NAME.key or a directory)")
+@click.option("--secret", "secret_file", default=None,
+              help="with --coordinator: its CURVE key (NAME.key_secret) [default: this host's, under $MESHNET_HOME/keys]")
+@click.option("--allow", "allow_path", default=None,
+              help="with --coordinator: workers' public keys admitted besides the join token's (NAME.key or a directory)")
+@click.option("--mem", default=None, callback=usage_error(parse_size),
+              help="with --coordinator: this host runs a worker too, within this memory, and the workers that join "
+                   "take the rest of the model (they fetch its bytes from here)")
+@click.option("--announce/--no-announce", default=None,
+              help="with --coordinator: announce it on the LAN by mDNS when it listens beyond loopback "
+                   "[default: yes, unless MESHNET_ANNOUNCE=0]")
 @click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
                                             "(--host); local workers: plain links instead of fresh CURVE keys")
 
@@ -36,8 +44,8 @@ from meshnet.core.errors import MeshnetError
 @resume_options
 @prefix_cache_option
 @speculate_option
-def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, insecure,
-          numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, mem, announce,
+          insecure, numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
@@ -50,22 +58,36 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
     if bind is not None and any(v is not None for v in local.values()):
         raise click.UsageError(f"{next(k for k, v in local.items() if v is not None)} is for local workers: with "
                                "--coordinator, give it to each meshnet worker")
-    if (secret_file is None) != (allow_path is None) or (secret_file is not None and bind is None):
-        raise click.UsageError("--secret and --allow go together, with --coordinator")
-    if bind is not None:
-        refuse_open_without_keys("--coordinator", bind, secret_file, insecure)
+    if (secret_file is not None or allow_path is not None or mem is not None) and bind is None:
+        raise click.UsageError("--secret, --allow and --mem go with --coordinator")
+    if bind is not None and insecure:
+        if secret_file or allow_path:
+            raise click.UsageError("--insecure runs without keys: drop it, or drop --secret and --allow")
+        refuse_open_without_keys("--coordinator", bind, None, insecure)
     if api_key is None and not security.is_loopback(f"tcp://{host}:{port}"):
         if not insecure:
             raise click.UsageError(f"--host {host} is reachable beyond this machine and no --api-key is given: anyone "
                                    "could use the model. Give --api-key (or MESHNET_API_KEY), or --insecure")
         click.echo(f"WARNING: --host {host} without --api-key (--insecure): anyone who can reach it can use it", err=True)
+    mesh = None
     try:
-        options = {"keys": security.load_secret(secret_file),
-                   "allowed_workers": security.load_allowed(allow_path)} if secret_file else {}
-        options.update(resume_wait=resume_wait, max_resumes=max_resumes, speculate=speculate)
+        options = dict(resume_wait=resume_wait, max_resumes=max_resumes, speculate=speculate)
+        if bind is not None:
+            from meshnet.engine import models
+            from meshnet.launch.mesh_host import MeshHost, announce_by_default
+
+            # this host serves the model's bytes when it names the model or runs a worker of it
+            held = models.resolve(model) if model is not None or mem is not None else None
+            mesh = MeshHost(bind, keys=security.load_secret(secret_file) if secret_file else None,
+                            secure=not insecure, model=held)
+            options.update(mesh.coordinator_options(security.load_allowed(allow_path) if allow_path else set()))
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
+                   mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
                    secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)
+    finally:
+        if mesh is not None:
+            mesh.close()

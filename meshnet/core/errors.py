@@ -65,6 +65,8 @@ SHUTTING_DOWN = _code("shutting_down", 4, "a worker that is shutting down takes 
 WORKER_EXITED = _code("worker_exited", 4, "a worker process exited or stopped before the route formed")
 ADDRESS_IN_USE = _code("address_in_use", 4, "the address to listen on is already taken")
 TIMEOUT = _code("timeout", 4, "an operation did not finish in the time given to it", http=503)
+JOIN_REFUSED = _code("join_refused", 4, "a join token this mesh does not admit: rotated, forged or not a token")
+FETCH_FAILED = _code("fetch_failed", 4, "a model's bytes could not be fetched from any holder, or failed their hash")
 
 # 5: the request
 CONTEXT_FULL = _code("context_full", 5, "the prompt and the tokens asked for do not fit the context",

@@ -22,6 +22,30 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 _INPUT_TENSORS = ("token_embd.", "token_types.", "position_embd.")
 
 
+def tensor_role(name: str) -> int | str:
+    """Which stages hold a tensor, as the engine's loader decides (patch 0001): its layer's
+    number, "input" (the head), "output" (the tail) or "shared" (every stage)."""
+    if m := _LAYER.match(name):
+        return int(m.group(1))
+    if name.startswith(_INPUT_TENSORS):
+        return "input"
+    if name.startswith(("output.", "output_norm.")):
+        return "output"
+    return "shared"
+
+
+def stage_holds(role: int | str, name: str, start: int, end: int, n_layer: int, tied_embeddings: bool) -> bool:
+    """Whether the stage [start, end) holds a tensor of this role (the tail of a model with
+    tied embeddings holds token_embd as its output matrix): the bytes stage_bytes counts."""
+    if isinstance(role, int):
+        return start <= role < end
+    if role == "input":
+        return start == 0 or (end == n_layer and tied_embeddings and name.startswith("token_embd."))
+    if role == "output":
+        return end == n_layer
+    return True
+
+
 @dataclass
 class ModelLayout:
     path: str
@@ -153,15 +177,16 @@ def _read_layout(path: str) -> ModelLayout:
     for t in reader.tensors:
         n = int(t.n_bytes)
         quant[t.tensor_type.name] += 1
-        if m := _LAYER.match(t.name):
-            layer_bytes[int(m.group(1))] += n
-            layer_weights[int(m.group(1))] += int(t.n_elements)
-        elif t.name.startswith(_INPUT_TENSORS):
+        role = tensor_role(t.name)
+        if isinstance(role, int):
+            layer_bytes[role] += n
+            layer_weights[role] += int(t.n_elements)
+        elif role == "input":
             input_bytes += n
             if t.name.startswith("token_embd."):
                 token_embd_bytes += n
                 token_embd_weights += int(t.n_elements)
-        elif t.name.startswith(("output.", "output_norm.")):
+        elif role == "output":
             output_bytes += n
             has_output |= t.name.startswith("output.")
             if t.name.startswith("output."):

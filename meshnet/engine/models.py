@@ -23,6 +23,7 @@ from pathlib import Path
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
+from meshnet.core.home import meshnet_home
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,6 @@ MODELS = {
     ),
 }
 DEFAULT_MODEL = "smollm2"
-
-
-def meshnet_home() -> Path:
-    return Path(os.environ.get("MESHNET_HOME", Path.home() / ".cache" / "meshnet"))
 
 
 def models_dir() -> Path:

@@ -40,6 +40,8 @@ FIELDS: dict[str, tuple] = {
     "n_cpus": (INT, False, positive),           # the CPUs this process may run on
     "pid": (INT, False, positive),
     "max_token_bytes": (INT, False, at_most(1 << 16)),   # the head: the longest text one token stands for
+    "weights": (STR, False, endpoint),          # it serves its model file's bytes here (weights/holder.py)
+    "fetches": (BOOL, False, None),             # it holds no model file: it fetches its range's bytes when assigned
 }
 
 # a worker's model, as the planner counts it (planner.ModelCost)
@@ -126,6 +128,8 @@ class Capability:
     pid: int | None = None
     max_token_bytes: int | None = None
     loading: tuple[int, int] | None = None
+    weights: str | None = None
+    fetches: bool | None = None
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":

@@ -32,14 +32,15 @@ from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError
                                 curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
                                 top_logprobs, u64)
 
-VERSION = 9   # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 10  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
               #    the session's block keys in RELEASE); speculation (drafts per round in OPEN and
               #    its OK, verify steps in ACT, each round's drafts and those kept in TOKEN);
               # 8: a grammar in OPEN's sampling, and where in the history its tokens start;
-              #    logprobs in OPEN, and each token's in TOKEN; 9: CHAT
+              #    logprobs in OPEN, and each token's in TOKEN; 9: CHAT;
+              # 10: weights over the mesh (HOLDERS, MANIFEST, FETCH)
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -61,6 +62,11 @@ TEMPLATE = "template"      # coordinator -> worker: chat messages (msgpack) -> t
 CHAT = "chat"              # coordinator -> worker: an OpenAI chat request (JSON: messages with tool calls and results,
                            # tools, tool_choice) -> the template's prompt, grammar and tool-call format (JSON),
                            # by llama.cpp's common chat code (engine: meshnet_chat_apply)
+# weights over the mesh (meshnet/weights/): a worker without the model file fetches the
+# bytes of its range from a holder, each tensor checked against the holder's manifest
+HOLDERS = "holders"        # worker -> coordinator: the model's sha256 and who holds its bytes ([endpoint, key])
+MANIFEST = "manifest"      # worker -> holder: the model's manifest (weights/manifest.py), msgpack in the payload
+FETCH = "fetch"            # worker -> holder: LENGTH bytes of the file at OFFSET, in the payload of the OK
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane
@@ -69,6 +75,7 @@ TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken 
 TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
 
 MAX_HEADER_BYTES = 64 * 1024
+MAX_FETCH_BYTES = 4 << 20   # one FETCH's bytes at most: a fetch's memory is a few of them in flight
 # the longest text a text request carries: a prompt of many contexts' worth is refused
 # before it is sent (see coordinator.tokenize)
 MAX_TEXT_BYTES = 8 << 20
@@ -135,7 +142,12 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     DETOKENIZE: {},
     TEMPLATE: {"add_generation_prompt": (BOOL, False, None)},
     CHAT: {},
+    HOLDERS: {},
+    MANIFEST: {},
+    FETCH: {"offset": (INT, True, u64),
+            "length": (INT, True, lambda v: 0 < v <= MAX_FETCH_BYTES)},
     OK: {"sid": (INT, False, u64), "info": (DICT, False, None),
+         "offset": (INT, False, u64),                      # FETCH's: where its bytes start in the file
          "cached": (INT, False, nonneg),                   # OPEN's: the prompt tokens this stage restored
          "speculate": (INT, False, nonneg)},               # ... and the drafts per round it takes (0: none)
     ERROR: {

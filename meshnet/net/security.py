@@ -14,6 +14,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import zmq
 import zmq.auth
@@ -82,8 +83,11 @@ class Gatekeeper:
     """A ZAP authenticator for one context: CURVE peers whose public key is allowed get
     in; the others are refused in the handshake, logged once per key and counted."""
 
-    def __init__(self, ctx: zmq.Context, allowed: set[bytes]):
+    def __init__(self, ctx: zmq.Context, allowed: set[bytes], join_key: Callable[[], bytes | None] | None = None):
         self.allowed = set(allowed)
+        # the join key's public half as it is now (net/join.py JoinKey.public): asked at each
+        # handshake, so a rotated key admits nobody from then on
+        self.join_key = join_key
         self.refused: collections.Counter = collections.Counter()   # by public key (z85)
         self._lock = threading.Lock()
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("meshnet.zap"))
@@ -93,7 +97,7 @@ class Gatekeeper:
     def callback(self, domain: str, key: bytes) -> bool:
         """Called by the authenticator's thread with a peer's public key (z85)."""
         with self._lock:
-            if key in self.allowed:
+            if key in self.allowed or (self.join_key is not None and key == self.join_key()):
                 return True
             self.refused[key] += 1
             first = self.refused[key] == 1

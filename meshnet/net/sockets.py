@@ -49,6 +49,15 @@ def control_dealer(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
     return sock
 
 
+def fetch_dealer(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
+    """A worker's socket to a holder of model bytes (weights/fetch.py): requests queue until
+    the connection is up (no IMMEDIATE), and a holder that never answers is given up by
+    the fetcher's own deadline."""
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock, max_frame)
+    return sock
+
+
 def data_pull(ctx: zmq.Context, max_frame: int) -> zmq.Socket:
     """Where a stage (or the coordinator) takes the data plane's messages in."""
     sock = ctx.socket(zmq.PULL)

@@ -4,6 +4,7 @@ and the tests build it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from meshnet.core.planner import OVERHEAD
 from meshnet.net import addresses
@@ -12,6 +13,7 @@ from meshnet.net.security import KeyPair
 
 PREFILL_CHUNK = 64             # prompt tokens per forward request
 REQUEST_TIMEOUT = 60.0         # seconds a stage may take to answer one request
+MIN_FETCH_RATE = 1 << 20       # bytes/s: a worker that fetches its range is given this long for each byte
 MAX_PAYLOAD = 32 << 20         # largest payload accepted from a worker: 512 rows of an 16k-wide model fit
 
 
@@ -28,6 +30,13 @@ class CoordinatorConfig:
     overhead: int = OVERHEAD                # per worker process, for the planner
     keys: KeyPair | None = None             # CURVE: this coordinator's keys; None runs without
     allowed_workers: frozenset[bytes] | None = None   # the workers' public keys admitted (with keys)
+    # the join key's public half as it is now (net/join.py JoinKey.public), asked at each
+    # handshake: a worker with a join token is admitted, and a rotated key no longer is
+    join_key: Callable[[], bytes | None] | None = None
+    # the model's bytes served on this host (weights/holder.py): its sha256 and the holder's
+    # endpoint and public key, which a worker without the file asks for (HOLDERS)
+    model_sha256: str | None = None
+    holder: tuple[str, str | None] | None = None
     # a session that loses a stage is replayed on a new route when one exists, or
     # appears within resume_wait seconds; at most max_resumes times
     resume_wait: float = 0.0

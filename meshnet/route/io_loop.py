@@ -27,7 +27,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.trace import Timeline
 from meshnet.net import protocol as P
 from meshnet.net.heartbeat import Liveness, Pacer, Wakefulness, now
-from meshnet.route.config import CoordinatorConfig
+from meshnet.route.config import MIN_FETCH_RATE, CoordinatorConfig
 from meshnet.route.registry import Registry, WorkerRecord
 from meshnet.route.requests import Pending, RequestKind, Requests
 from meshnet.route.events import Emit, Leave, Push, Request, TokenEvent
@@ -285,6 +285,9 @@ class IOLoop:
         worker = self.registry.get(identity)
         if msg.type == P.READY:
             self._register(identity, msg, peer_key(frames[0]))
+        elif msg.type == P.HOLDERS:
+            # asked before a worker registers: it has no model file yet, only a token
+            self._send(identity, P.encode(P.OK, msg.rid, info=self._holders()))
         elif worker is None:
             if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
                 self._send(identity, P.encode(P.DISCONNECT, 0))  # a worker we forgot: announce again
@@ -404,9 +407,23 @@ class IOLoop:
             self.counters["assigned"] += 1
             log.info("coordinator: worker %s loads %s (planned %d bytes of its %d)", a.worker.name, a.layers.label,
                      a.planned_bytes, a.worker.capability.mem_bytes)
+            # a worker that fetches its range's bytes first is given the time the slowest link takes
+            timeout = self.config.request_timeout + (a.planned_bytes / MIN_FETCH_RATE if a.worker.capability.fetches
+                                                     else 0)
             self._request(a.worker, P.ASSIGN, Pending(RequestKind.ASSIGN, None, a.worker.identity, -1,
-                                                      now() + self.config.request_timeout),
+                                                      now() + timeout),
                           layers=[a.layers.start, a.layers.end])
+
+    def _holders(self) -> dict:
+        """The model's sha256 and who serves its bytes: this host's holder, then each
+        worker that serves its file and holds this model."""
+        holders = [list(self.config.holder)] if self.config.holder is not None else []
+        sha256 = self.config.model_sha256
+        for w in self.registry.all():
+            if w.capability.weights and (sha256 is None or w.capability.model_sha256 == sha256):
+                sha256 = sha256 or w.capability.model_sha256
+                holders.append([w.capability.weights, w.public_key])
+        return {"model_sha256": sha256, "holders": holders}
 
     def _assign_failed(self, worker: WorkerRecord, why: str) -> None:
         log.warning("coordinator: worker %s could not load %s: %s", worker.name, worker.assigning, why)

@@ -39,7 +39,8 @@ class Listener:
         keys = config.keys
         # with keys, the control socket is a CURVE server: a worker whose public key is not
         # allowed is refused in the handshake, before any message of it reaches the loop
-        self.gatekeeper = Gatekeeper(self.ctx, config.allowed_workers or set()) if keys is not None else None
+        self.gatekeeper = Gatekeeper(self.ctx, config.allowed_workers or set(), config.join_key) \
+            if keys is not None else None
         self.router = sockets.control_router(self.ctx, max_frame=2 * config.max_payload)
         if keys is not None:
             security.serve(self.router, keys)

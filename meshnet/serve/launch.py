@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 
 from meshnet.core import defaults
 from meshnet.core import errors
@@ -32,7 +34,8 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
-          prefix_cache_mib: int | None = None, echo=print) -> None:
+          prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
+          echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -73,9 +76,46 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:
-                run(coordinator, f"workers connect to {coordinator.endpoint}")
+                local = None
+                if mesh is not None:
+                    mesh.started(coordinator.endpoint, announce)
+                    if mesh.join_line():
+                        echo("meshnet serve: to add a machine, run there:")
+                        echo(mesh.join_line())
+                    if mesh_mem is not None:
+                        local = spawn_joined_worker(mesh, mesh_mem)
+                try:
+                    run(coordinator, f"workers connect to {coordinator.endpoint}"
+                        + (f"; a worker here within {mesh_mem} bytes" if local else ""))
+                finally:
+                    if local is not None:
+                        local.terminate()
+                        try:
+                            local.wait(timeout=10)
+                        except subprocess.TimeoutExpired:
+                            local.kill()
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+
+
+def spawn_joined_worker(mesh, mem: int) -> subprocess.Popen:
+    """This host's own worker in the mesh it serves: it joins with the token, as any other
+    machine does, from the model file here (whose bytes it serves too), within MEM."""
+    from meshnet.launch.local_cluster import _worker_child
+    from meshnet.launch.mesh_host import WILDCARD_HOSTS, reachable_addresses
+
+    token = mesh.token()
+    coordinator = reachable_addresses(mesh.endpoint)[0]
+    host = mesh.endpoint.partition("://")[2].rpartition(":")[0]
+    # its data endpoint where the other machines reach it: the coordinator's interface
+    data_bind = "tcp://0.0.0.0:0" if host in WILDCARD_HOSTS else f"tcp://{host}:0"
+    args = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", coordinator,
+            "--model", str(mesh.holder.path), "--layers", "auto", "--mem", str(mem), "--data-bind", data_bind]
+    if token is not None:
+        args += ["--join", token.encode()]
+    elif not data_bind.startswith("tcp://127."):
+        args.append("--insecure")
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_worker_child)

@@ -1,2 +1,2 @@
 """A stage worker: the process that holds a layer range and the loop that feeds it. Imports
-core, engine and net."""
+core, engine, net and weights (a worker without the model file fetches its range's bytes)."""

@@ -55,6 +55,11 @@ class WorkerConfig:
     trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
     spin_ms: float | None = None           # polling for the next input before sleeping; None: spin_ms_for
     prefix_cache_mib: int = defaults.PREFIX_CACHE_MIB   # the prefix store's cap (stage/prefix_store.py); 0: none
+    # weights over the mesh (meshnet worker --join): without the model file, the fetch that
+    # brings a range's bytes before it loads (weights/fetch.Fetch); with it, the endpoint
+    # where this process serves the file's bytes to the others (weights/holder.Holder)
+    fetch: object | None = None
+    weights: str | None = None
 
     def spin_ms_on(self, n_cpus: int) -> float:
         """The polling this worker does for its next input, on N_CPUS CPUs."""

@@ -55,6 +55,8 @@ TEST_FAULT = os.environ.get("MESHNET_TEST_FAULT")
 # enough to be watched
 TEST_SLOW_LOAD_S = float(os.environ.get("MESHNET_TEST_SLOW_LOAD_MS", "0")) / 1000
 PROGRESS_SAID_EVERY = 0.1   # a load says on stderr how far it got at each tenth
+# a test's hook: each step of a fetch's progress waits this long, so that a test can stop it halfway
+TEST_SLOW_FETCH_S = float(os.environ.get("MESHNET_TEST_SLOW_FETCH_MS", "0")) / 1000
 
 
 class StageWorker:
@@ -78,6 +80,7 @@ class StageWorker:
         self.worker_id = uuid.uuid4().hex
         self.gatekeeper: Gatekeeper | None = None
         self.load_error: MeshnetError | None = None   # why the range of --layers did not load: the worker exits
+        self.fetch_progress: float | None = None   # the bytes fetched of the range's (0 to 1), while fetching
         if config.layers is not None:
             self._load_given_range(config.layers)
         else:
@@ -132,6 +135,38 @@ class StageWorker:
               f"{format_size(info.kv_bytes)} of KV, in {self.load_seconds:.1f} s", file=sys.stderr, flush=True)
         return stage
 
+    def _fetch(self, layers) -> None:
+        """The bytes of LAYERS this worker lacks, from the mesh's holders (weights/fetch.py),
+        each tensor checked; its progress in fetch_progress (health shows it) and, at each
+        tenth, on stderr."""
+        fetch = self.config.fetch
+        label = LayerRange(*layers).label
+        spans = fetch.manifest.spans_for(LayerRange(*layers))
+        if not fetch.missing(spans):
+            return
+        said = [-1.0]
+        began = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            fraction = done / total if total else 1.0
+            self.fetch_progress = fraction
+            if fraction >= said[0] + PROGRESS_SAID_EVERY or (fraction >= 1.0 > said[0]):
+                said[0] = fraction
+                rate = done / max(time.monotonic() - began, 1e-6)
+                print(f"meshnet worker: fetching layers {label}: {int(fraction * 100)}% ({format_size(done)} of "
+                      f"{format_size(total)}, {format_size(rate)}/s)", file=sys.stderr, flush=True)
+            if TEST_SLOW_FETCH_S:
+                time.sleep(TEST_SLOW_FETCH_S)
+        self.fetch_progress = 0.0
+        try:
+            fetch.run(spans, progress)
+        finally:
+            self.fetch_progress = None
+        print(f"meshnet worker: fetched layers {label}: {fetch.fetched_bytes} bytes ({format_size(fetch.fetched_bytes)}) "
+              f"in {fetch.seconds:.1f} s; "
+              f"{format_size(fetch.disk_bytes())} of the {format_size(fetch.manifest.file_bytes)} file on disk at "
+              f"{fetch.path}", file=sys.stderr, flush=True)
+
     @property
     def max_control_payload(self) -> int:
         """The largest payload the control socket takes: a residual's, or a text request's."""
@@ -160,6 +195,8 @@ class StageWorker:
             # READY from a new connection drops the old one, whatever it still delivers
             "worker_id": self.worker_id,
             **({"mem_bytes": self.config.mem} if self.config.mem is not None else {}),
+            **({"fetches": True} if self.config.fetch is not None else {}),
+            **({"weights": advertised(self.config.weights, self.config.coordinator)} if self.config.weights else {}),
         }
 
     def _wait_for_a_range(self) -> None:
@@ -347,6 +384,8 @@ class StageWorker:
 
         def load():
             try:
+                if self.config.fetch is not None:
+                    self._fetch(layers)
                 future.set_result(self._load(layers))
             except BaseException as e:  # handed to the socket loop, which answers with it
                 future.set_exception(e)
@@ -378,7 +417,9 @@ class StageWorker:
         if self.loop is None:
             self._send(P.encode(P.OK, msg.rid, info=dict(
                 requests=dict(self.requests), errors=dict(self.errors), stopping=self.stopping, rss_bytes=rss_bytes(),
-                state="loading" if self.loading else "waiting for a range",
+                state=("fetching" if self.fetch_progress is not None else "loading") if self.loading
+                else "waiting for a range",
+                **({"fetch_progress": round(self.fetch_progress, 4)} if self.fetch_progress is not None else {}),
                 **({"load_progress": round(self.load_progress, 4)} if self.loading and self.load_progress is not None
                    else {}))))
             return

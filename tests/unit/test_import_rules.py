@@ -18,10 +18,11 @@ MAY_IMPORT = {
     "engine": {"core"},
     "net": {"core"},
     "route": {"core", "net"},
-    "stage": {"core", "engine", "net"},
-    "launch": {"core", "engine", "net", "route", "stage"},
-    "serve": {"core", "engine", "net", "route", "stage", "launch"},
-    "evidence": {"core", "engine", "net", "route", "stage", "launch"},
+    "weights": {"core", "engine", "net"},
+    "stage": {"core", "engine", "net", "weights"},
+    "launch": {"core", "engine", "net", "route", "stage", "weights"},
+    "serve": {"core", "engine", "net", "route", "stage", "launch", "weights"},
+    "evidence": {"core", "engine", "net", "route", "stage", "launch", "weights"},
 }
 
 

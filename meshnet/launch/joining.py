@@ -1,0 +1,82 @@
+"""A machine joining a mesh (`meshnet worker --join TOKEN`): the coordinator found (the
+token's addresses, or mDNS), the token checked by the coordinator itself, and the model:
+the file given, which this worker then serves to the others too, or else the model's
+header fetched now and its layers' bytes once the coordinator assigns them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.engine import models
+from meshnet.net import discovery, join
+from meshnet.net.addresses import same_host_any_port
+from meshnet.net.security import KeyPair
+from meshnet.weights.fetch import Fetch, fetch_manifest, holders_of
+from meshnet.weights.holder import Holder
+
+DISCOVER_S = 10.0   # how long a worker looks for its coordinator on the LAN
+PROBE_S = 3.0       # ... and tries each address a token names, when it names several
+ANSWER_S = 15.0     # ... or the one it names
+
+
+@dataclass
+class Joined:
+    coordinator: str
+    keys: KeyPair | None
+    coordinator_key: bytes | None
+    fetch: Fetch | None     # without the model file: what brings its bytes
+    holder: Holder | None   # with it: where this worker serves its bytes to the others
+
+
+def ask_first(endpoints, keys: KeyPair | None, coordinator_key: bytes | None):
+    """The first of ENDPOINTS whose coordinator answers HOLDERS, and its answer (a token
+    names each address of the coordinator's host; some are on networks this machine is
+    not on). A refused token is final; silence tries the next address."""
+    last = None
+    for endpoint in endpoints:
+        try:
+            return endpoint, holders_of(endpoint, keys, coordinator_key,
+                                        timeout=PROBE_S if len(endpoints) > 1 else ANSWER_S)
+        except MeshnetError as e:
+            if e.code != E.UNREACHABLE:
+                raise
+            last = e
+    raise MeshnetError(E.UNREACHABLE, f"no coordinator answered at {', '.join(endpoints)}") if len(endpoints) > 1 \
+        else last
+
+
+def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, model: str | None, data_bind: str,
+              echo: Callable[[str], None] = print) -> Joined:
+    token = join.parse_token(token_text) if token_text is not None else None
+    keys = token.keys if token else None
+    coordinator_key = token.coordinator_key if token else None
+    if coordinator is not None:
+        candidates = [coordinator]
+    elif token is not None and token.addresses and not discover:
+        candidates = list(token.addresses)
+    else:
+        found = discovery.find(coordinator_key.decode() if coordinator_key else None, timeout=DISCOVER_S)
+        candidates = list(found.endpoints)
+        echo(f"meshnet worker: found the coordinator {found.name} on the LAN at {', '.join(candidates)}")
+    coordinator, (sha256, holders) = ask_first(candidates, keys, coordinator_key)
+    if model is not None:
+        path, file_sha256 = models.resolve(model)
+        holder = None
+        if keys is not None:
+            # the mesh's members fetch from it as from the coordinator: the join key admits them
+            holder = Holder(path, file_sha256, same_host_any_port(data_bind), keys, {coordinator_key},
+                            join_key=lambda: keys.public)
+        return Joined(coordinator, keys, coordinator_key, None, holder)
+    if sha256 is None or not holders:
+        raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} serves no model file and no stage "
+                           "offers one: give this worker --model (a copy of the model), or start the coordinator "
+                           "with --model")
+    manifest = fetch_manifest(holders, keys, coordinator, sha256)
+    fetch = Fetch(manifest, holders, keys, coordinator)
+    fetch.run([manifest.header])
+    echo(f"meshnet worker: model {manifest.filename} ({sha256[:12]}) from the mesh, {len(holders)} holder(s): "
+         f"only the bytes of the layers the coordinator assigns are fetched, into {fetch.path}")
+    return Joined(coordinator, keys, coordinator_key, fetch, None)

@@ -1,0 +1,104 @@
+"""A holder: serves one model file's bytes to the mesh's workers, on a socket of its own
+and a thread of its own, so that a fetch never waits behind a session's tokens, nor they
+behind it. With keys the socket is a CURVE server behind the same rule as the
+coordinator's (its allow-list and the join key): only the mesh's members fetch."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import zmq
+
+from meshnet.core import errors as E
+from meshnet.core.errors import MeshnetError
+from meshnet.net import protocol as P
+from meshnet.net import security, sockets
+from meshnet.net.security import Gatekeeper, KeyPair
+from meshnet.weights import manifest as manifests
+
+log = logging.getLogger("meshnet.weights.holder")
+
+POLL_MS = 100   # how often the thread looks whether it is asked to stop
+
+
+class Holder:
+    def __init__(self, path: str | Path, sha256: str, bind: str, keys: KeyPair | None = None,
+                 allowed: set[bytes] = frozenset(), join_key: Callable[[], bytes | None] | None = None):
+        self.path = Path(path)
+        self.manifest = manifests.of_file(self.path, sha256)
+        self._manifest_wire = self.manifest.to_wire()
+        self.keys = keys
+        self.counters: collections.Counter = collections.Counter()
+        self.ctx = zmq.Context()
+        self.gatekeeper = Gatekeeper(self.ctx, allowed, join_key) if keys is not None else None
+        self.sock = sockets.control_router(self.ctx, max_frame=2 * P.MAX_HEADER_BYTES)
+        if keys is not None:
+            security.serve(self.sock, keys)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self.sock.bind(bind)
+        except zmq.ZMQError as e:
+            self.close()
+            raise MeshnetError(E.BAD_ADDRESS, f"cannot serve the model's bytes on {bind!r}: {e.strerror}") from None
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="meshnet-holder", daemon=True)
+        self._thread.start()
+
+    @property
+    def public_key(self) -> str | None:
+        return self.keys.public.decode() if self.keys is not None else None
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(POLL_MS):
+                continue
+            frames, why = P.recv_frames(self.sock, 3, 2 * P.MAX_HEADER_BYTES)
+            identity, body = frames[0], frames[1:]
+            try:
+                if why is not None:
+                    raise P.ProtocolError(E.OVERSIZED, why)
+                reply = self._answer(P.decode(body, 0))
+            except P.ProtocolError as e:
+                self.counters["refused"] += 1
+                reply = P.error_frames(e.rid, e.code, e.message)
+            try:
+                self.sock.send_multipart([identity, *reply], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                self.counters["unsent"] += 1   # a fetcher gone, or not reading: it asks again elsewhere
+
+    def _answer(self, msg: P.Message) -> list:
+        if msg.type == P.MANIFEST:
+            self.counters["manifests"] += 1
+            return P.encode(P.OK, msg.rid, self._manifest_wire)
+        if msg.type != P.FETCH:
+            raise P.ProtocolError(E.UNKNOWN_TYPE, f"a holder serves manifest and fetch, not '{msg.type}'", msg.rid)
+        offset, length = msg["offset"], msg["length"]
+        if offset + length > self.manifest.file_bytes:
+            raise P.ProtocolError(E.BAD_FIELD, f"bytes [{offset}, {offset + length}) are past the end of the "
+                                  f"{self.manifest.file_bytes}-byte file", msg.rid)
+        data = os.pread(self.fd, length, offset)
+        self.counters["fetches"] += 1
+        self.counters["bytes"] += len(data)
+        return P.encode(P.OK, msg.rid, data, offset=offset)
+
+    def close(self) -> None:
+        if hasattr(self, "_thread"):
+            self._stop.set()
+            self._thread.join(timeout=5)
+        self.sock.close(linger=0)
+        if self.gatekeeper is not None:
+            self.gatekeeper.stop()
+        self.ctx.term()
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
