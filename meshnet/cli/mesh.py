@@ -310,11 +310,31 @@ def keys_generate(directory, name):
               help="a coordinator's metrics address (meshnet coordinator --metrics-port)")
 @click.option("--watch", type=click.FloatRange(min=0.2), default=None, help="refresh every N seconds")
 @click.option("--json", "as_json", is_flag=True)
-def status(url, watch, as_json):
+@click.option("--discover", is_flag=True, help="list the coordinators announced on the LAN (mDNS) instead")
+@click.option("--timeout", type=click.FloatRange(min=0.5), default=3.0, show_default=True,
+              help="with --discover: seconds to listen for announcements")
+def status(url, watch, as_json, discover, timeout):
     """Show a running coordinator's stages: memory, KV, queue, hops, failures."""
     import time
     import urllib.error
     import urllib.request
+
+    if discover:
+        from meshnet.net import discovery
+
+        try:
+            found = discovery.browse(timeout)
+        except MeshnetError as e:
+            fail(e)
+        if as_json:
+            click.echo(json.dumps([{"name": f.name, "endpoints": list(f.endpoints), **f.properties} for f in found]))
+        elif not found:
+            click.echo(f"no meshnet coordinator announced itself on the LAN within {timeout:g} s")
+        for f in ([] if as_json else found):
+            model = f.properties.get("model") or "-"
+            click.echo(f"{f.name}  {' '.join(f.endpoints)}  key {f.properties.get('key') or '(none: insecure)'}  "
+                       f"model {model[:12]}  protocol {f.properties.get('v', '?')}")
+        return
 
     timeout = 10
     while True:

@@ -402,6 +402,9 @@ class StageWorker:
             if rid is None:   # the range it was started for: nothing else to serve
                 self.load_error, self.stopping = error, True
             else:
+                # the coordinator keeps it out of the route with this reason; its operator reads it here
+                print(f"meshnet worker: could not take the range assigned: {error}; this worker stays out of the "
+                      "route", file=sys.stderr, flush=True)
                 self._refuse(rid, error.code, error.message)
             return
         self._serve(stage)

@@ -2,6 +2,7 @@
 handshake, and refusals that are logged and counted, on real worker processes."""
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -176,12 +177,16 @@ def test_every_link_of_a_keyed_route_is_curve_and_a_stranger_cannot_push_into_a_
         assert got == [whole.generate(PROMPT_TOKENS, 16, stop_at_eog=False).tokens] * 2
 
 
-def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure_is_said():
+def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure_is_said(tmp_path):
     def meshnet(*args):
-        return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, "-m", "meshnet.cli.main", *args], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, MESHNET_HOME=str(tmp_path)))
 
-    refused = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0")
-    assert refused.returncode == 2 and "reachable beyond this machine and no keys" in refused.stderr
+    # a coordinator has keys unless told otherwise (this host's, made once), and says how to join it
+    keyed = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0", "--prompt", "hi", "--wait", "0.2")
+    assert "WARNING" not in keyed.stderr and "\nmeshnet worker --join mnj1-" in keyed.stderr
+    assert keyed.returncode == 4 and "route_incomplete" in keyed.stderr
+    assert (tmp_path / "keys" / "coordinator.key_secret").is_file() and (tmp_path / "keys" / "join.key_secret").is_file()
     told = meshnet("coordinator", "--bind", "tcp://0.0.0.0:0", "--insecure", "--prompt", "hi", "--wait", "0.2")
     assert "WARNING: --bind tcp://0.0.0.0:0 without keys" in told.stderr
     assert told.returncode == 4 and "route_incomplete" in told.stderr     # it served; no worker came

@@ -126,7 +126,8 @@ def test_coordinator_and_worker_commands_serve_a_prompt(smollm2_path):
     address = f"tcp://127.0.0.1:{port}"
     data_address = f"tcp://127.0.0.1:{port + 1}"
     coordinator = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--prompt", prompt,
-                                    "--max-tokens", "12", "--json", "--wait", "60", "--data-bind", data_address],
+                                    "--max-tokens", "12", "--json", "--wait", "60", "--data-bind", data_address,
+                                    "--insecure"],
                                    stdout=subprocess.PIPE, text=True)
     workers = [subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", address,
                                  "--layers", layers, "--threads", str(THREADS)]) for layers in ("0:15", "15:30")]

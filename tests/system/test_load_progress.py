@@ -28,7 +28,8 @@ def test_a_slow_load_reports_rising_progress_in_status_json_and_on_stderr(smollm
     port, metrics_port = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     coordinator = track(subprocess.Popen(
-        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--metrics-port", str(metrics_port)],
+        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--metrics-port", str(metrics_port),
+         "--insecure"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.err", "w"), start_new_session=True))
     worker_err = tmp_path / "worker.err"
     worker = track(subprocess.Popen(
