@@ -74,70 +74,10 @@ ns_b=meshnet-b-$$
 link_a=mn$$a
 link_b=mn$$b
 logs=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-netns.XXXXXX")
-pids=()
-names=()
-made_ns=()
-
-cleanup() {
-    local status=$? pid i
-    trap - EXIT
-    trap : HUP INT TERM   # what this run started is stopped before it ends, however many signals come
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for i in $(seq 50); do  # a worker says goodbye first: give it 5 s
-        local alive=0
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ "$alive" -eq 0 ] && break
-        sleep 0.1
-    done
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    for ns in "${made_ns[@]}"; do
-        # anything else still living in the namespace was started by this run
-        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
-        ip netns del "$ns" 2>/dev/null || true   # takes the links inside with it
-    done
-    ip link del "$link_a" 2>/dev/null || true    # not yet moved, when setting up failed
-    case $status in
-    0 | 77 | 130) ;;   # passed, skipped or stopped with Ctrl-C: nothing to explain
-    *)
-        for i in "${!names[@]}"; do
-            [ -s "$logs/${names[$i]}.log" ] || continue
-            echo "--- last lines of ${names[$i]}:" >&2
-            tail -n 15 "$logs/${names[$i]}.log" >&2
-        done
-        ;;
-    esac
-    rm -rf "$logs"
-    exit "$status"
-}
-trap cleanup EXIT
-trap 'exit 129' HUP
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-say() { echo "netns: $* (${SECONDS} s)" >&2; }   # a step, as it happens (stdout ends with the JSON)
-# each child dies with this script (its parent), even when nothing here can run: SIGKILL
-tie=()
-if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then tie=(setpriv --pdeathsig KILL); fi
-
-start() {  # start NAME NAMESPACE COMMAND...: in the background, its output in NAME.log
-    local name=$1 ns=$2
-    shift 2
-    if [ -n "$ns" ]; then
-        ${tie[@]+"${tie[@]}"} ip netns exec "$ns" "$@" > "$logs/$name.log" 2>&1 &
-    else
-        ${tie[@]+"${tie[@]}"} "$@" > "$logs/$name.log" 2>&1 &
-    fi
-    pids+=($!)
-    names+=("$name")
-    say "started $name${ns:+ in $ns} (pid $!)"
-}
-
-for ns in "$ns_a" "$ns_b"; do
-    ip netns add "$ns" 2>"$logs/ip.err" || skip "'ip netns add' failed: $(cat "$logs/ip.err")"
-    made_ns+=("$ns")
-    ip netns exec "$ns" true 2>"$logs/ip.err" || skip "'ip netns exec' failed: $(cat "$logs/ip.err")"
-    ip -n "$ns" link set lo up
-done
+SAY_AS=netns
+# shellcheck source=netns-lib.sh
+. "$root/tools/netns-lib.sh"
+make_namespaces
 
 if [ -z "$delay" ]; then
     ip link add "$link_a" type veth peer name "$link_b" 2>"$logs/ip.err" || skip "no veth pair: $(cat "$logs/ip.err")"

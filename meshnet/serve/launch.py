@@ -4,6 +4,7 @@ to, and uvicorn until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -114,8 +115,9 @@ def spawn_joined_worker(mesh, mem: int) -> subprocess.Popen:
     data_bind = "tcp://0.0.0.0:0" if host in WILDCARD_HOSTS else f"tcp://{host}:0"
     args = [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", coordinator,
             "--model", str(mesh.holder.path), "--layers", "auto", "--mem", str(mem), "--data-bind", data_bind]
+    env = dict(os.environ)
     if token is not None:
-        args += ["--join", token.encode()]
+        env["MESHNET_JOIN"] = token.encode()   # not on its command line, which any local user can read
     elif not data_bind.startswith("tcp://127."):
         args.append("--insecure")
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_worker_child)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, env=env, preexec_fn=_worker_child)

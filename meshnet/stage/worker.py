@@ -163,7 +163,7 @@ class StageWorker:
         finally:
             self.fetch_progress = None
         print(f"meshnet worker: fetched layers {label}: {fetch.fetched_bytes} bytes ({format_size(fetch.fetched_bytes)}) "
-              f"in {fetch.seconds:.1f} s; "
+              f"in {fetch.seconds:.3f} s; "
               f"{format_size(fetch.disk_bytes())} of the {format_size(fetch.manifest.file_bytes)} file on disk at "
               f"{fetch.path}", file=sys.stderr, flush=True)
 
