@@ -222,6 +222,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
                     if report["route"]:   # without a route the reason already names them
                         status += "".join(f"\n  {name}: {state}" for name, state in report["standby"].items())
                     if any(str(state).startswith("loading") for state in report["standby"].values()):
+                        # (a worker that fetches its range's bytes first is "loading" it here too)
                         status += "".join(f"\n  {line}" for line in load_bars(coord.metrics(timeout=1)))
                     if status != last:
                         click.echo(status, err=True)
@@ -368,6 +369,8 @@ def _status_table(snapshot: dict) -> str:
         failures = ", ".join(f"{k}={v}" for k, v in {**s.get("errors", {}), **s.get("reply_errors", {})}.items()) or "0"
         if s.get("state") == "loading":
             failures = f"LOADING {int(100 * (s.get('load_progress') or 0))}%; {failures}"
+        elif s.get("state") == "fetching":
+            failures = f"FETCHING {int(100 * (s.get('fetch_progress') or 0))}%; {failures}"
         if s.get("unreachable"):  # what the coordinator knows of a worker that did not answer
             failures = f"SILENT (last heard {s.get('last_heard_s', 0):.1f} s ago: {s['unreachable']}); {failures}"
         rows.append(f"{s['stage']:<10} {s['worker']:<12} {num('rss_bytes', mib):>8} {num('model_bytes', mib):>9} "

@@ -16,11 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.launch.mesh_host import MeshHost
+from meshnet.launch.progress import load_bars
 from meshnet.net import join
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
@@ -122,6 +124,8 @@ def flip_a_byte(path: Path, offset: int) -> None:
 def test_a_worker_without_the_file_fetches_only_its_range_and_the_route_gives_the_whole_model(mesh):
     n_layer = read_layout(str(mesh.model_file)).n_layer
     holder = mesh.worker("holder", "--model", str(mesh.model_file), "--layers", f"0:{n_layer // 2}")
+    # registered first, so that the planner gives the fetching worker only the rest
+    assert wait_until(lambda: len(mesh.coordinator.workers_snapshot()) == 1, 120), mesh.log("holder")
     fetcher = mesh.worker("b", "--mem", "1G")
     try:
         route = mesh.coordinator.wait_for_route(180, n_stages=2)
@@ -226,6 +230,10 @@ def test_a_fetch_stopped_halfway_resumes_where_it_was(mesh):
             return set()
     # slowed, so that it can be stopped with part of the model checked and part not
     fetcher = mesh.worker("b", "--mem", "1G", env={"MESHNET_TEST_SLOW_FETCH_MS": "150"})
+    # meanwhile its health says how far the fetch is, and the coordinator's status draws a bar of it
+    assert wait_until(lambda: any(s.get("state") == "fetching" and 0 < s.get("fetch_progress", 0) < 1
+                                  for s in mesh.coordinator.metrics(timeout=5)["stages"]), 120), mesh.log("b")
+    assert any(": fetching [" in line for line in load_bars(mesh.coordinator.metrics(timeout=5)))
     assert wait_until(lambda: len(have()) >= len(spans) // 3, 120), mesh.log("b")
     fetcher.send_signal(signal.SIGKILL)
     fetcher.wait(30)
@@ -239,3 +247,38 @@ def test_a_fetch_stopped_halfway_resumes_where_it_was(mesh):
         assert route_output(mesh.coordinator)[0] == whole_model(mesh.model_file)[0]
     finally:
         stop(again)
+
+
+def test_a_spare_without_the_file_fetches_what_it_lacks_when_it_takes_a_lost_stage(mesh):
+    n_layer = read_layout(str(mesh.model_file)).n_layer
+    half = n_layer // 2
+    holder = mesh.worker("holder", "--model", str(mesh.model_file), "--layers", f"0:{half}")
+    assert wait_until(lambda: len(mesh.coordinator.workers_snapshot()) == 1, 120), mesh.log("holder")
+    tail = mesh.worker("b", "--mem", "1G")
+    try:
+        lost = mesh.coordinator.wait_for_route(180, n_stages=2)[1].worker
+        want = route_output(mesh.coordinator)[0]
+        # a spare: it waits with the model's header only, nothing of any range yet
+        spare = mesh.worker("c", "--mem", "1G")
+        assert wait_until(lambda: len(mesh.coordinator.workers_snapshot()) == 3, 120), mesh.log("c")
+        header = mesh.host.holder.manifest.header.size
+        assert mesh.fetched_file("c").stat().st_blocks * 512 <= header + 4096
+        tail.kill()
+        tail.wait(30)
+
+        def new_tail():
+            try:
+                route = mesh.coordinator.route()
+            except MeshnetError:
+                return None
+            return route[1] if len(route) == 2 and route[1].worker != lost else None
+        assert wait_until(new_tail, 180), mesh.log("c")
+        assert new_tail().layers.as_tuple() == (half, n_layer)
+        # (what the worker fetched in all: the header when it joined, and now its range)
+        share = sum(s.size for s in mesh.host.holder.manifest.spans_for(LayerRange(half, n_layer)))
+        assert f"fetched layers [{half},{n_layer}): {share} bytes" in mesh.log("c"), mesh.log("c")
+        assert route_output(mesh.coordinator)[0] == want
+        stop(spare)
+    finally:
+        stop(tail)
+        stop(holder)
