@@ -46,6 +46,7 @@ def keys_dir() -> Path:
 
 def _key_pair(directory: Path, name: str) -> KeyPair:
     """NAME's key pair in DIRECTORY, made the first time it is asked for."""
+    directory = Path(directory)
     secret = directory / f"{name}.key_secret"
     if not secret.exists():
         directory.mkdir(parents=True, exist_ok=True)

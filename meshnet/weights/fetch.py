@@ -42,6 +42,8 @@ CHUNK = 1 << 20          # bytes a FETCH asks for
 WINDOW = 8               # FETCHes in flight per holder: memory is bounded by WINDOW x CHUNK
 SILENCE_S = 15.0         # a holder that sends nothing for this long is given up for the next
 STATE_SUFFIX = ".have"   # beside the file: the spans fetched and checked, by name
+STATE_EVERY_S = 0.25     # ... written down this often at most while a fetch runs (and at its end): a stopped
+                         # fetch redoes at most this much, and a model of many small tensors is not slowed
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Fetch:
         self.path = Path(path or store_path(manifest))
         self.state_path = self.path.with_name(self.path.name + STATE_SUFFIX)
         self.have = self._prepare()
+        self._saved_at = 0.0
+        self._unsaved = False
         self.fetched_bytes = 0          # over the wire, this process
         self.seconds = 0.0
         self.failures: list[str] = []   # each holder given up, and why
@@ -95,7 +99,11 @@ class Fetch:
                 os.close(fd)
         return have
 
-    def _save_state(self) -> None:
+    def _save_state(self, now: bool = True) -> None:
+        if not now and time.monotonic() - self._saved_at < STATE_EVERY_S:
+            self._unsaved = True
+            return
+        self._saved_at, self._unsaved = time.monotonic(), False
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         tmp.write_text(json.dumps({"sha256": self.manifest.sha256, "have": sorted(self.have)}))
         os.replace(tmp, self.state_path)
@@ -195,12 +203,14 @@ class Fetch:
             os.close(fd)
             sock.close(linger=0)
             ctx.term()
+            if self._unsaved:
+                self._save_state()
 
     def _checked(self, span: Span, digest) -> None:
         if digest.hexdigest() != span.sha256:
             raise HolderFailed(f"{span.name} does not have the manifest's sha256 (the holder's copy is corrupt)")
         self.have.add(span.name)
-        self._save_state()
+        self._save_state(now=False)
 
 
 def fetch_manifest(holders: list[HolderAddress], keys: KeyPair | None, coordinator: str, sha256: str,
