@@ -69,12 +69,13 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
             raise click.UsageError(f"--host {host} is reachable beyond this machine and no --api-key is given: anyone "
                                    "could use the model. Give --api-key (or MESHNET_API_KEY), or --insecure")
         click.echo(f"WARNING: --host {host} without --api-key (--insecure): anyone who can reach it can use it", err=True)
+    from meshnet.launch.mesh_host import MeshHost, announce_by_default
+
     mesh = None
     try:
         options = dict(resume_wait=resume_wait, max_resumes=max_resumes, speculate=speculate)
         if bind is not None:
             from meshnet.engine import models
-            from meshnet.launch.mesh_host import MeshHost, announce_by_default
 
             # this host serves the model's bytes when it names the model or runs a worker of it
             held = models.resolve(model) if model is not None or mem is not None else None
