@@ -71,7 +71,7 @@ def test_the_console_shows_the_route_streams_a_chat_and_shows_a_resume(smollm2_p
     first = {"0:15": worker(address, "0:15", smollm2_path), "15:30": worker(address, "15:30", smollm2_path)}
     spare = None
     try:
-        with serving("--coordinator", address, "--resume-wait", "30",
+        with serving("--coordinator", address, "--insecure", "--resume-wait", "30",   # its workers: keyless, on loopback
                      env=dict(os.environ, MESHNET_API_KEY=KEY)) as (url, *_):
             browser.get(f"{url}/#key={KEY}")
             stages = until(browser, "the route's two stages", lambda: [
