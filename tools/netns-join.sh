@@ -198,16 +198,9 @@ discovered, listed = discovered.split(",")
 report.update(discovery=discovered == "true", status_discover=listed == "true", rate=rate or None,
               fetch_range=fetch_range or None,
               fetch_bytes=fetch_bytes, fetch_line_s=fetch_line_s)
-# the fetch's seconds as the holder served it, when it served all of them (the line's are
-# rounded to 0.1 s); else the line's
-held = report.get("holder_fetch")
-if held and held["bytes"] == fetch_bytes and held["seconds"] > 0:
-    fetch_s, report["fetch_timed_by"] = held["seconds"] * fetch_bytes / held["range_bytes"], "holder"
-else:
-    fetch_s, report["fetch_timed_by"] = fetch_line_s, "worker line"
-report["fetch_s"] = fetch_s
-report["fetch_MBps"] = fetch_bytes / fetch_s / 1e6 if fetch_bytes and fetch_s > 0 else 0.0
-report["fetch_line_MBps"] = fetch_bytes / fetch_line_s / 1e6 if fetch_bytes and fetch_line_s > 0 else None
+# the fetch's bytes and seconds as B's worker says them (to the millisecond)
+report["fetch_s"] = fetch_line_s
+report["fetch_MBps"] = fetch_bytes / fetch_line_s / 1e6 if fetch_bytes and fetch_line_s > 0 else 0.0
 cat = [float(s) for s in cat]
 report["cat_s"] = cat
 report["cat_MBps"] = fetch_bytes / statistics.median(cat) / 1e6 if cat and statistics.median(cat) > 0 else 0.0
@@ -215,8 +208,7 @@ report["fetch_to_cat"] = report["fetch_MBps"] / report["cat_MBps"] if report["ca
 report["fetch_rate_ok"] = report["fetch_to_cat"] is not None and report["fetch_to_cat"] >= 0.8
 report["checker_ok"] = report["ok"]
 report["ok"] = bool(report["ok"] and report["discovery"] and report["status_discover"])
-print(f"netns-join: B fetched {fetch_bytes} bytes at {report['fetch_MBps']:.1f} MB/s (timed by the "
-      f"{report['fetch_timed_by']}), a plain TCP copy of as many ran at {report['cat_MBps']:.1f} MB/s (median of "
+print(f"netns-join: B fetched {fetch_bytes} bytes at {report['fetch_MBps']:.1f} MB/s, a plain TCP copy of as many ran at {report['cat_MBps']:.1f} MB/s (median of "
       f"{len(cat)}): {report['fetch_to_cat'] or 0:.3f} (target 0.8); B's disk "
       f"{report.get('b_disk_bytes')} bytes for a share of {report.get('b_share_bytes')}: "
       f"{report.get('disk_ratio') or 0:.4f}", file=sys.stderr)

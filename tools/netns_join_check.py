@@ -20,8 +20,7 @@ route of two stages is whole it checks:
              the bytes of its range's spans (the header, its layers' tensors and the
              head's or tail's): disk_ratio = disk bytes / share bytes <= 1.05.
 
-It also times the fetch as the holder served it (the bytes it counted, sampled every few
-ms: the worker's own line gives the seconds to 0.1 s). Progress goes to stderr, one JSON
+Progress goes to stderr, one JSON
 object to stdout. Exit status 0 only when every check held."""
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import glob
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -57,7 +55,6 @@ from meshnet.weights.fetch import STATE_SUFFIX  # noqa: E402
 
 PROMPTS = SHORT
 DISK_RATIO_MAX = 1.05
-SAMPLE_S = 0.002   # how often the holder's byte count is read
 
 
 def say(line: str) -> None:
@@ -87,38 +84,6 @@ def spawn_logged(host: MeshHost, mem: int, log_path: str):
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
-
-
-class HolderWatch(threading.Thread):
-    """The holder's served byte count, read every SAMPLE_S: when the fetch of a range
-    began and ended, as the holder saw it (the header, fetched when B joins, before)."""
-
-    def __init__(self, holder, header_bytes: int):
-        super().__init__(name="holder-watch", daemon=True)
-        self.holder, self.header_bytes = holder, header_bytes
-        self.changes: list[tuple[float, float, int]] = []   # (last read before, read at, bytes)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        last, before = 0, time.perf_counter()
-        while not self.stop.is_set():
-            now = time.perf_counter()
-            served = self.holder.counters["bytes"]
-            if served != last:
-                self.changes.append((before, now, served))
-                last = served
-            before = now
-            time.sleep(SAMPLE_S)
-
-    def window(self) -> dict | None:
-        """The range's fetch: from the first bytes past the header to the last served."""
-        body = [c for c in self.changes if c[2] > self.header_bytes]
-        if not body:
-            return None
-        began = (body[0][0] + body[0][1]) / 2
-        ended = body[-1][1]
-        start_bytes = max([c[2] for c in self.changes if c[2] <= self.header_bytes], default=0)
-        return {"bytes": body[-1][2], "range_bytes": body[-1][2] - start_bytes, "seconds": ended - began}
 
 
 def sparse_file(b_home: str) -> Path | None:
@@ -153,13 +118,10 @@ def check(args, report: dict) -> bool:
         if not report["announced"]:
             say("FAILED: the coordinator is not announced: B cannot discover it")
             return False
-        watch = HolderWatch(host.holder, manifest.header.size)
-        watch.start()
         worker = spawn_logged(host, mem, args.worker_log)
         try:
-            return run_checks(args, report, host, coordinator, worker, watch, path, n_layer, half, manifest)
+            return run_checks(args, report, host, coordinator, worker, path, n_layer, half, manifest)
         finally:
-            watch.stop.set()
             worker.terminate()
             try:
                 worker.wait(timeout=10)
@@ -168,7 +130,7 @@ def check(args, report: dict) -> bool:
                 worker.wait()
 
 
-def run_checks(args, report, host, coordinator, worker, watch, path, n_layer, half, manifest) -> bool:
+def run_checks(args, report, host, coordinator, worker, path, n_layer, half, manifest) -> bool:
     began = time.monotonic()
     deadline = began + args.wait
     while True:   # A's worker registered: standby (no plan fits it alone) or loading
@@ -212,14 +174,7 @@ def run_checks(args, report, host, coordinator, worker, watch, path, n_layer, ha
     if not report["route_ok"]:
         say(f"FAILED: the route is not A 0:{half} then B {half}:{n_layer}")
 
-    fetch = watch.window()
-    watch.stop.set()
     report["holder_served_bytes"] = host.holder.counters["bytes"]
-    if fetch is not None:
-        report["holder_fetch"] = fetch
-        say(f"holder served B {fetch['range_bytes']} bytes of its range in {fetch['seconds']:.3f} s "
-            f"({fetch['range_bytes'] / max(fetch['seconds'], 1e-9) / 1e6:.1f} MB/s; "
-            f"{report['holder_served_bytes']} bytes with the header)")
 
     # B's share of the file: the spans of its range (the header, its tensors), and its disk
     share_ok = False

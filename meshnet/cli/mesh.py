@@ -99,10 +99,7 @@ def worker(join_token, discover, coordinator, model, layers, mem, threads, n_ctx
             joined = join_mesh(join_token, coordinator, discover, model, data_bind,
                                echo=lambda line: click.echo(line, err=True))
             holder = joined.holder
-        if joined.fetch is not None:
-            path, sha256 = joined.fetch.path, joined.fetch.manifest.sha256
-        else:
-            path, sha256 = models.resolve(model)
+        path, sha256 = joined.model or models.resolve(model)
         config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
@@ -200,6 +197,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
             click.echo(f"serving the bytes of {held[0].name} to workers without it, on {host.holder.endpoint}",
                        err=True)
         joining = host.join_line()
+        join_key = host.join_key.public() if host.join_key else None
         if joining:
             click.echo("to add a machine, run there:", err=True)
             click.echo(joining, err=True)
@@ -210,8 +208,8 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
             last = None
             try:
                 while True:
-                    if joining and host.join_line() != joining:
-                        joining = host.join_line()
+                    if joining and host.join_key.public() != join_key:   # (a stat, until the file changes)
+                        joining, join_key = host.join_line(), host.join_key.public()
                         click.echo("the join key was rotated: tokens before now are refused; to add a machine, "
                                    "run there:", err=True)
                         click.echo(joining, err=True)

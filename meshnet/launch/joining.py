@@ -29,6 +29,7 @@ class Joined:
     coordinator_key: bytes | None
     fetch: Fetch | None     # without the model file: what brings its bytes
     holder: Holder | None   # with it: where this worker serves its bytes to the others
+    model: tuple | None = None   # (path, sha256) of the model this worker loads: the file, or the fetched one
 
 
 def ask_first(endpoints, keys: KeyPair | None, coordinator_key: bytes | None):
@@ -69,7 +70,7 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
             # the mesh's members fetch from it as from the coordinator: the join key admits them
             holder = Holder(path, file_sha256, same_host_any_port(data_bind), keys, {coordinator_key},
                             join_key=lambda: keys.public)
-        return Joined(coordinator, keys, coordinator_key, None, holder)
+        return Joined(coordinator, keys, coordinator_key, None, holder, (path, file_sha256))
     if sha256 is None or not holders:
         raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} serves no model file and no stage "
                            "offers one: give this worker --model (a copy of the model), or start the coordinator "
@@ -79,4 +80,4 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
     fetch.run([manifest.header])
     echo(f"meshnet worker: model {manifest.filename} ({sha256[:12]}) from the mesh, {len(holders)} holder(s): "
          f"only the bytes of the layers the coordinator assigns are fetched, into {fetch.path}")
-    return Joined(coordinator, keys, coordinator_key, fetch, None)
+    return Joined(coordinator, keys, coordinator_key, fetch, None, (fetch.path, sha256))

@@ -59,6 +59,19 @@ PROGRESS_SAID_EVERY = 0.1   # a load says on stderr how far it got at each tenth
 TEST_SLOW_FETCH_S = float(os.environ.get("MESHNET_TEST_SLOW_FETCH_MS", "0")) / 1000
 
 
+class Tenths:
+    """When a load or a fetch says on stderr how far it got: at each tenth, and at its end."""
+
+    def __init__(self):
+        self.said = -1.0
+
+    def due(self, fraction: float) -> bool:
+        if fraction >= self.said + PROGRESS_SAID_EVERY or fraction >= 1.0 > self.said:
+            self.said = fraction
+            return True
+        return False
+
+
 class StageWorker:
     def __init__(self, config: WorkerConfig):
         addresses.checked(config.coordinator, "--coordinator")   # before the model loads: a typo fails at once
@@ -115,12 +128,11 @@ class StageWorker:
         load_progress (health shows it) and, at each tenth, on stderr."""
         config = self.config
         label = LayerRange(*layers).label
-        said = [-1.0]
+        tenths = Tenths()
 
         def progress(fraction: float) -> None:
             self.load_progress = fraction
-            if fraction >= said[0] + PROGRESS_SAID_EVERY or (fraction >= 1.0 > said[0]):
-                said[0] = fraction
+            if tenths.due(fraction):
                 print(f"meshnet worker: loading layers {label}: {int(fraction * 100)}%", file=sys.stderr, flush=True)
             if TEST_SLOW_LOAD_S:
                 time.sleep(TEST_SLOW_LOAD_S)
@@ -144,14 +156,13 @@ class StageWorker:
         spans = fetch.manifest.spans_for(LayerRange(*layers))
         if not fetch.missing(spans):
             return
-        said = [-1.0]
+        tenths = Tenths()
         began = time.monotonic()
 
         def progress(done: int, total: int) -> None:
             fraction = done / total if total else 1.0
             self.fetch_progress = fraction
-            if fraction >= said[0] + PROGRESS_SAID_EVERY or (fraction >= 1.0 > said[0]):
-                said[0] = fraction
+            if tenths.due(fraction):
                 rate = done / max(time.monotonic() - began, 1e-6)
                 print(f"meshnet worker: fetching layers {label}: {int(fraction * 100)}% ({format_size(done)} of "
                       f"{format_size(total)}, {format_size(rate)}/s)", file=sys.stderr, flush=True)

@@ -145,13 +145,6 @@ class Fetch:
             raise MeshnetError(E.FETCH_FAILED, f"{len(wanted)} of the model's spans ({sum(s.size for s in wanted)} "
                                f"bytes) could not be fetched: {why}")
 
-    def _socket(self, ctx: zmq.Context, holder: HolderAddress) -> zmq.Socket:
-        sock = sockets.fetch_dealer(ctx, max_frame=CHUNK + 2 * P.MAX_HEADER_BYTES)
-        if self.keys is not None and holder.key is not None:
-            security.client(sock, self.keys, holder.key)
-        sock.connect(holder.endpoint)
-        return sock
-
     def _from(self, holder: HolderAddress, spans: list[Span], advanced: Callable[[int], None]) -> None:
         """Every span of SPANS from one holder, WINDOW requests in flight; HolderFailed at
         its first failure (what was checked before it stays)."""
@@ -161,7 +154,7 @@ class Fetch:
         digests: dict[str, hashlib._Hash] = {}
         rid = 0
         ctx = zmq.Context()
-        sock = self._socket(ctx, holder)
+        sock = _to_holder(ctx, holder.endpoint, holder.key, self.keys, CHUNK + 2 * P.MAX_HEADER_BYTES)
         fd = os.open(self.path, os.O_WRONLY)
         try:
             pending = next(chunks, None)
@@ -213,18 +206,25 @@ class Fetch:
         self._save_state(now=False)
 
 
+def _to_holder(ctx: zmq.Context, endpoint: str, key: bytes | None, keys: KeyPair | None,
+               max_frame: int) -> zmq.Socket:
+    """A DEALER connected to a holder, CURVE to its KEY where both sides have keys."""
+    sock = sockets.fetch_dealer(ctx, max_frame=max_frame)
+    if keys is not None and key is not None:
+        security.client(sock, keys, key)
+    sock.connect(endpoint)
+    return sock
+
+
 def fetch_manifest(holders: list[HolderAddress], keys: KeyPair | None, coordinator: str, sha256: str,
                    timeout: float = SILENCE_S) -> Manifest:
     """The manifest of the model SHA256 from the first holder that gives one."""
     failures = []
     for holder in holders:
         endpoint = reachable(holder.endpoint, coordinator) if coordinator else holder.endpoint
-        ctx = zmq.Context()
-        sock = sockets.fetch_dealer(ctx, max_frame=P.MAX_FETCH_BYTES * 32)
+        ctx, sock = zmq.Context(), None
         try:
-            if keys is not None and holder.key is not None:
-                security.client(sock, keys, holder.key)
-            sock.connect(endpoint)
+            sock = _to_holder(ctx, endpoint, holder.key, keys, P.MAX_FETCH_BYTES * 32)
             sock.send_multipart(P.encode(P.MANIFEST, 1))
             if not sock.poll(int(timeout * 1000)):
                 failures.append(f"{endpoint}: no answer within {timeout:.0f} s")
@@ -241,7 +241,8 @@ def fetch_manifest(holders: list[HolderAddress], keys: KeyPair | None, coordinat
         except (MeshnetError, zmq.ZMQError) as e:
             failures.append(f"{endpoint}: {e}")
         finally:
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
             ctx.term()
     raise MeshnetError(E.FETCH_FAILED, "no holder gave the model's manifest: " + ("; ".join(failures) or
                                                                                 "the mesh names no holder"))

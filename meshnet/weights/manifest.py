@@ -10,6 +10,7 @@ on the holder's disk later fails the fetcher's check instead of being published 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -155,8 +156,7 @@ def of_file(path: str | Path, sha256: str) -> Manifest:
     try:
         manifest = Manifest.from_wire(cache.read_bytes())
         if manifest.sha256 == sha256 and manifest.file_bytes == Path(path).stat().st_size:
-            return manifest if manifest.filename == Path(path).name else \
-                Manifest(**{**manifest.__dict__, "filename": Path(path).name})
+            return dataclasses.replace(manifest, filename=Path(path).name)
     except (OSError, MeshnetError):
         pass
     manifest = compute(path, sha256)
