@@ -551,8 +551,14 @@ llama_sampler * new_grammar(const llama_vocab * vocab, const std::string & gramm
 // when a token of the history is one the grammar does not take (err says which).
 llama_sampler * grammar_for(meshnet_stage * stage, session_slot & slot, std::string & err) {
     if (!slot.grammar_state || slot.grammar_fed > slot.history.size()) {
-        slot.grammar_state.reset(new_grammar(stage->vocab, slot.grammar, slot.grammar_lazy, slot.trigger_patterns,
-                                             slot.trigger_tokens));
+        try {   // (past its work budget, building a grammar throws: patch 0011)
+            slot.grammar_state.reset(new_grammar(stage->vocab, slot.grammar, slot.grammar_lazy, slot.trigger_patterns,
+                                                 slot.trigger_tokens));
+        } catch (const std::exception & e) {
+            slot.grammar_state.reset();
+            err = format("the grammar: %s", e.what());
+            return nullptr;
+        }
         slot.grammar_fed = (size_t) slot.grammar_from;
         if (!slot.grammar_state) {
             err = "llama.cpp could not parse the grammar";
@@ -1385,13 +1391,14 @@ meshnet_status meshnet_session_sampling(meshnet_stage * stage, uint64_t session_
     }
     std::unique_ptr<llama_sampler, sampler_free> grammar;
     if (has_grammar) {
-        try {   // (a pattern that is not a regex throws)
+        try {   // (a trigger that is not a regex throws, and so does a grammar past its bounds: patch 0011)
             grammar.reset(new_grammar(stage->vocab, p.grammar, p.grammar_lazy != 0, patterns, trigger_tokens));
         } catch (const std::exception & e) {
-            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the grammar's triggers: %s", e.what()));
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, format("the grammar: %s", e.what()));
         }
         if (!grammar) {   // llama.cpp logs the parse error's place
-            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "the grammar is not valid GBNF with a rule named root");
+            return stage->fail(MESHNET_ERR_INVALID_ARGUMENT, "the grammar is not valid GBNF with a rule named root "
+                               "(and groups nested at most 256 deep)");
         }
     }
     slot->sampled  = true;

@@ -28,6 +28,7 @@ from meshnet.core import errors as E
 from meshnet.net.capability import Capability
 from meshnet.core.drafts import MAX_DRAFTS
 from meshnet.core.logprobs import MAX_TOP
+from meshnet.core.sampling import MAX_GRAMMAR_BYTES, Sampling
 from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked,
                                 curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
                                 top_logprobs, u64)
@@ -332,6 +333,35 @@ def chat_payload(msg: Message) -> dict:
         raise ProtocolError(E.BAD_PAYLOAD, f"{msg.type}: the request is not {{\"messages\": [1 to 4096 messages "
                             "with a role], ...}", msg.rid)
     return request
+
+
+def open_grammar(sampling: Sampling | None) -> tuple[dict | None, bytes | None]:
+    """OPEN's sampling for the wire, and its grammar apart, as OPEN's payload frame: a grammar
+    may be as long as MAX_GRAMMAR_BYTES, far past what a header holds."""
+    if sampling is None:
+        return None, None
+    wire = sampling.to_wire()
+    grammar = wire.pop("grammar", None)
+    return wire, grammar.encode() if grammar else None
+
+
+def open_sampling(msg: Message) -> Sampling | None:
+    """An OPEN's sampling with its grammar (the payload frame) back in it."""
+    wire = msg.get("sampling")
+    if msg.payload is None:
+        return None if wire is None else Sampling.from_wire(wire)
+    if wire is None or "grammar" in wire:
+        raise ProtocolError(E.BAD_FIELD, "open: a grammar frame goes with a sampling that has no grammar field",
+                            msg.rid, msg.get("sid"))
+    if len(msg.payload) > MAX_GRAMMAR_BYTES:
+        raise ProtocolError(E.OVERSIZED, f"open: a grammar of {len(msg.payload)} bytes is over the "
+                            f"{MAX_GRAMMAR_BYTES}-byte limit", msg.rid, msg.get("sid"))
+    try:
+        grammar = bytes(msg.payload).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(E.BAD_PAYLOAD, f"open: the grammar is not UTF-8 (byte {e.start})", msg.rid,
+                            msg.get("sid")) from None
+    return Sampling.from_wire(dict(wire, grammar=grammar))
 
 
 def tokens_frame(tokens) -> memoryview:

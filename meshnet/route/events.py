@@ -51,6 +51,7 @@ class Request:
     sid: int
     stage: int
     fields: dict = field(default_factory=dict)
+    payload: bytes | None = None   # OPEN's grammar (protocol.open_grammar)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ class IOLoop:
                 if effect.worker.identity in self.registry:
                     self._request(effect.worker, effect.kind.value, Pending(
                         effect.kind, effect.sid, effect.worker.identity, effect.stage,
-                        now() + self.config.request_timeout), **effect.fields)
+                        now() + self.config.request_timeout), payload=effect.payload, **effect.fields)
             elif isinstance(effect, Push):
                 if not self.sockets.push(effect.head.capability.data_endpoint, effect.head.public_key,
                                          P.encode(P.ACT, 0, **effect.fields)):

@@ -336,9 +336,11 @@ class SessionTable:
             session.sampling and session.sampling.grammar) else 0
         if speculate and session.speculation is None:
             session.speculation = {"drafts_max": speculate, "rounds": 0, "drafted": 0, "accepted": 0}
+        sampling_wire, grammar_frame = P.open_grammar(session.sampling)
         for i, worker in enumerate(route):
             self._on_worker[worker.identity].add(sid)
-            self._out.append(Request(worker, RequestKind.OPEN, sid, i, dict(
+            self._out.append(Request(worker, RequestKind.OPEN, sid, i, payload=grammar_frame if i == last else None,
+                                     fields=dict(
                 sid=sid, key=session.key, stage=i, next=route[(i + 1) % len(route)].capability.data_endpoint,
                 # a replay's prompt holds the tokens generated so far: the stages count the rest
                 reply=self.reply_endpoint, prompt_len=len(gen.prompt), max_tokens=gen.rule.max_tokens - gen.replayed,
@@ -348,7 +350,7 @@ class SessionTable:
                 # with CURVE each stage learns the keys of its two neighbours in the ring
                 next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
                 # the tail samples, knowing the tokens so far (its penalties look back on them)
-                sampling=session.sampling.to_wire() if i == last and session.sampling else None,
+                sampling=sampling_wire if i == last else None,
                 # the head drafts from the session's tokens: the prompt, then those it is fed
                 history=list(gen.prompt) if (i == last and session.sampling) or (i == 0 and speculate) else None,
                 grammar_from=max(0, gen.n_prompt - session.sampling.grammar_prefill)

@@ -27,7 +27,6 @@ from meshnet.core.generation import StopRule, tail_step
 from meshnet.core.logprobs import logprobs
 from meshnet.core.metrics import percentiles
 from meshnet.core.prefix import BLOCK
-from meshnet.core.sampling import Sampling
 from meshnet.core.trace import Timeline
 from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
 from meshnet.engine.binding import Stage
@@ -237,7 +236,7 @@ class StageLoop(threading.Thread):
                 raise MeshnetError(E.BAD_FIELD, "open: a stage serving CURVE needs the keys of its neighbours "
                                    "(next_key, prev_key)")
             self.curve.gatekeeper.allow(m["prev_key"].encode())
-        sampling = Sampling.from_wire(m["sampling"]) if m.get("sampling") is not None else None
+        sampling = P.open_sampling(m)
         history = m.get("history")
         if sampling is not None and not self.info.is_tail:
             raise MeshnetError(E.BAD_FIELD, "open: sampling is the tail's: this stage comes before it")
