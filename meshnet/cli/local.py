@@ -125,13 +125,13 @@ def _say(text: str) -> None:
 
 
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
-                    sampling=None, resume_wait=0.0, max_resumes=2, numerics=None, prefix_cache_mib=None, speculate=0):
+                    sampling=None, resume_wait=None, max_resumes=2, numerics=None, prefix_cache_mib=None, speculate=0):
     from meshnet.core.conversation import prompt_tokens as chat_tokens
     from meshnet.launch.local_cluster import LocalCluster
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
                       resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics,
-                      prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say) as cluster:
+                      prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say, supervise=True) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -202,7 +202,7 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, pr
         ranges = read_layout(path).balanced_ranges(stages or 2)
         with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
                           numerics=numerics, prefix_cache_mib=prefix_cache_mib, speculate=speculate,
-                          progress=_say) as cluster:
+                          progress=_say, supervise=True) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "

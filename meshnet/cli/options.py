@@ -10,6 +10,7 @@ import click
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError, exit_status
 from meshnet.core.planner import parse_size
+from meshnet.launch.supervisor import SUPERVISED_RESUME_WAIT
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -119,9 +120,11 @@ def resume_options(command):
     ready (a spare), or when one forms within --resume-wait seconds."""
     command = click.option("--max-resumes", type=click.IntRange(min=0), default=2, show_default=True,
                            help="resumes per session at most; then stage_lost")(command)
-    return click.option("--resume-wait", type=click.FloatRange(min=0), default=0.0, show_default=True,
+    return click.option("--resume-wait", type=click.FloatRange(min=0), default=None,
                         help="seconds a session that lost a stage waits for a replacement to register (0: it is "
-                             "replayed only on a spare already there, else ends with stage_lost)")(command)
+                             "replayed only on a spare already there, else ends with stage_lost) [default: "
+                             f"{SUPERVISED_RESUME_WAIT:g} where the workers are local, which are started again "
+                             "when one dies; 0 for workers elsewhere]")(command)
 
 
 def sampling_options(command):

@@ -38,6 +38,8 @@ from meshnet.core.errors import MeshnetError
                    "[default: yes, unless MESHNET_ANNOUNCE=0]")
 @click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
                                             "(--host); local workers: plain links instead of fresh CURVE keys")
+@click.option("--stuck-after", type=click.FloatRange(min=0.1), default=defaults.STUCK_AFTER_S, show_default=True,
+              help="seconds one step of a stage may run before /health reports the stage stuck (503)")
 
 
 @numerics_option
@@ -45,7 +47,7 @@ from meshnet.core.errors import MeshnetError
 @prefix_cache_option
 @speculate_option
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, mem, announce,
-          insecure, numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
+          insecure, stuck_after, numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
@@ -85,7 +87,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
-                   secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib,
+                   secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

@@ -7,3 +7,7 @@ N_BATCH = 512          # tokens per forward pass, llama.cpp's n_batch default
 MAX_SESSIONS = 8       # sessions a worker holds at once (its KV is sized for all of them)
 LIBRARY_SESSIONS = 4   # a Stage or LocalCluster opened from code, as tests and tools open many
 PREFIX_CACHE_MIB = 256  # per stage: ended sessions' memory kept for the next that start the same way (0: off)
+
+# seconds one step of a stage may run before serve's /health says the stage is stuck: far
+# past a step of any prompt chunk, and past a grammar's bounded work (engine_c/patches/0011)
+STUCK_AFTER_S = 30.0

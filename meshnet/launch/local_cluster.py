@@ -26,6 +26,7 @@ from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.launch.progress import load_bars
+from meshnet.launch.supervisor import SUPERVISED_RESUME_WAIT, Supervisor
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 from meshnet.stage.config import WorkerConfig, given
@@ -119,6 +120,11 @@ def _process_state(pid: int) -> str | None:
         return None
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -160,6 +166,7 @@ class LocalCluster:
         trace_dir: str | None = None,
         prefix_cache_mib: int | None = None,
         progress: Callable[[str], None] | None = None,
+        supervise: bool = False,
         **coordinator_options,
     ):
         self.model_path = str(model_path)
@@ -202,6 +209,12 @@ class LocalCluster:
             # a token reaches the coordinator as the tail ends its forward and the head starts
             # the next one: on the head's CPU its handling would delay that forward
             coordinator_options.setdefault("cpu", tail_cpu)
+        # a worker that dies is started again (supervise: what serve, run and chat ask for),
+        # and its sessions wait for it by default
+        self.supervise = supervise
+        self.supervisor: Supervisor | None = None
+        if coordinator_options.get("resume_wait") is None:
+            coordinator_options["resume_wait"] = SUPERVISED_RESUME_WAIT if supervise else 0.0
         drift_meter = coordinator_options.pop("drift_meter", None)
         self.coordinator = Coordinator(CoordinatorConfig(**coordinator_options), drift_meter=drift_meter)
         # keyed by the plain (start, end), so a test can say processes[(0, 15)]
@@ -265,6 +278,9 @@ class LocalCluster:
                     bars.update()
                 try:
                     self.coordinator.wait_for_route(0.2, n_stages=len(self.ranges))
+                    if self.supervise:
+                        self.supervisor = Supervisor(self.processes, self.spawn_worker, _describe_exit, _say)
+                        self.supervisor.start()
                     return self
                 except MeshnetError:
                     if time.monotonic() > deadline:
@@ -308,6 +324,8 @@ class LocalCluster:
         return f"; its last words:\n{text}" if text.strip() else "; it wrote nothing to stderr"
 
     def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for process in self.processes.values():
             if process.poll() is None:
                 try:

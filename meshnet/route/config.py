@@ -38,8 +38,8 @@ class CoordinatorConfig:
     model_sha256: str | None = None
     holder: tuple[str, str | None] | None = None
     # a session that loses a stage is replayed on a new route when one exists, or
-    # appears within resume_wait seconds; at most max_resumes times
-    resume_wait: float = 0.0
+    # appears within resume_wait seconds; at most max_resumes times (None: 0)
+    resume_wait: float | None = 0.0
     max_resumes: int = 2
     trace: bool = False                     # record a span per token received (core/trace.py), for meshnet bench --trace
     # the CPU of the per-token handling (the loop thread and ZeroMQ's I/O thread), None for
@@ -50,6 +50,8 @@ class CoordinatorConfig:
     speculate: int = 0
 
     def __post_init__(self):
+        if self.resume_wait is None:
+            object.__setattr__(self, "resume_wait", 0.0)
         addresses.checked(self.bind, "--bind")
         if self.data_bind is not None:
             addresses.checked(self.data_bind, "--data-bind")

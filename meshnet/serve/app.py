@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from meshnet.core import errors
+from meshnet.core import defaults, errors
 from meshnet.core.conversation import prompt_tokens as chat_prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
@@ -85,7 +85,7 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAPI:
+def create_app(coordinator, model: str, *, api_key: str | None = None, stuck_after: float = defaults.STUCK_AFTER_S) -> FastAPI:
     app = FastAPI(title="meshnet", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
     completions = Completions(coordinator, model)
@@ -95,7 +95,7 @@ def create_app(coordinator, model: str, *, api_key: str | None = None) -> FastAP
     feeds = console.Feeds()
     for router in console.routes(coordinator, model, completions.slots, authorize, feeds):
         app.include_router(router)
-    _status_routes(app, coordinator, model, completions)
+    _status_routes(app, coordinator, model, completions, stuck_after)
 
     def stop_sessions():   # the server is stopping: streams end now, and their connections close
         completions.slots.stop_all()
@@ -184,22 +184,29 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
     return v1
 
 
-def _status_routes(app: FastAPI, coordinator, model: str, completions: Completions) -> None:
+def _status_routes(app: FastAPI, coordinator, model: str, completions: Completions, stuck_after: float) -> None:
     slots = completions.slots
 
     @app.get("/health")
     def health():
-        """Ready when a route covers the model; each stage's sessions and KV in use."""
+        """Ready when a route covers the model and no stage is stuck in one step (its worker
+        answers, but its compute thread has not come round for STUCK_AFTER seconds); each
+        stage's sessions, KV in use and how long its step under way has run."""
         report = coordinator.route_report()
         try:
             stages = [{"layers": s.get("layers"), "n_sessions": s.get("n_sessions"),
-                       "kv_bytes_used": s.get("kv_bytes_used")} for s in coordinator.stage_stats(timeout=2)]
+                       "kv_bytes_used": s.get("kv_bytes_used"), "step_s": s.get("step_s")}
+                      for s in coordinator.stage_stats(timeout=2)]
         except (MeshnetError, TimeoutError) as e:
             stages = [{"error": str(e)}]
-        ready = bool(report["route"])
-        return JSONResponse({"status": "ready" if ready else "no_route", "model": model,
-                             "route": report["route"] or [], "error": report.get("error"),
-                             "sessions": slots.active, "stages": stages}, status_code=200 if ready else 503)
+        stuck = [s for s in stages if (s.get("step_s") or 0) > stuck_after]
+        status, error = ("ready" if report["route"] else "no_route"), report.get("error")
+        if report["route"] and stuck:
+            status = "stage_stuck"
+            error = "; ".join(f"stage {s['layers']} has run one step for {s['step_s']:.1f} s (over {stuck_after:g} s)"
+                              for s in stuck)
+        return JSONResponse({"status": status, "model": model, "route": report["route"] or [], "error": error,
+                             "sessions": slots.active, "stages": stages}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     def metrics():

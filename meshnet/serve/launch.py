@@ -36,7 +36,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
-          echo=print) -> None:
+          stuck_after: float = defaults.STUCK_AFTER_S, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -48,7 +48,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
 
     def run(coordinator, where: str):
         host, port = sock.getsockname()[:2]
-        app = create_app(coordinator, model_id(model), api_key=api_key)
+        app = create_app(coordinator, model_id(model), api_key=api_key, stuck_after=stuck_after)
 
         class Server(uvicorn.Server):
             async def shutdown(self, sockets=None):
@@ -73,7 +73,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                      "batched together may get others (--numerics invariant holds them under any batching)")
             with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
                               numerics=numerics, prefix_cache_mib=prefix_cache_mib, progress=echo,
-                              **resume) as cluster:
+                              supervise=True, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
         else:
             with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:

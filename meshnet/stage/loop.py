@@ -114,6 +114,12 @@ class StageLoop(threading.Thread):
             if self.running and self.running <= self.cancelled:
                 self.stage.abort()
 
+    def step_seconds(self) -> float:
+        """How long this thread has been away from its loop: the step (or job) under way.
+        Between steps it comes round every STATS_PERIOD and takes a new snapshot; one
+        much older says the stage is stuck in one call, though its worker answers."""
+        return max(0.0, time.monotonic() - self._stats_at)
+
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -490,6 +496,8 @@ class StageLoop(threading.Thread):
         if not steps:
             return
         started = time.monotonic_ns()
+        if self.test_fault is not None and self.test_fault.startswith("stall:"):   # tests: a wedged step
+            time.sleep(float(self.test_fault.split(":", 1)[1]))
         try:
             results = run_batch(self.stage, steps)
         finally:

@@ -439,6 +439,7 @@ class StageWorker:
             return
         stats = dict(self.loop.stats)
         stats["mechanisms"] = dict(stats.get("mechanisms", {}), control=security.mechanism(self.link.dealer))
+        stats["step_s"] = round(self.loop.step_seconds(), 3)
         errors = collections.Counter(stats.pop("errors", {}))
         errors.update(self.errors)
         self._send(P.encode(P.OK, msg.rid, info=dict(
