@@ -9,6 +9,7 @@ import json
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
+from meshnet.core.sampling import MAX_GRAMMAR_BYTES
 from meshnet.engine.binding import json_schema_grammar
 
 # OpenAI's json_object: the answer is a JSON object, of any keys
@@ -45,6 +46,10 @@ def grammar_of(response_format, grammar: str | None) -> str:
         raise _refused(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
                        "response_format.type")
     try:
-        return json_schema_grammar(json.dumps(schema))
+        grammar = json_schema_grammar(json.dumps(schema))
     except MeshnetError as e:
         raise _refused(f"response_format.json_schema.schema: {e.message}", "response_format.json_schema.schema") from None
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:   # the one limit of a grammar, however it is given
+        raise _refused(f"response_format.json_schema.schema: its grammar is {len(grammar.encode())} bytes, over the "
+                       f"{MAX_GRAMMAR_BYTES}-byte limit of a grammar", "response_format.json_schema.schema")
+    return grammar

@@ -119,3 +119,9 @@ def test_a_grammar_over_the_one_limit_is_a_400_naming_it(server):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
                                   extra_body={"grammar": 'root ::= "a"' + " | \"a\"" * 60_000})
     assert bad.value.body["param"] == "grammar" and "262144" in bad.value.body["message"], bad.value.body
+    with pytest.raises(openai.BadRequestError) as bad:   # a schema 300 objects deep: 370 KB of GBNF
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "deep", "schema": deep_schema(300)}})
+    assert bad.value.body["param"] == "response_format.json_schema.schema", bad.value.body
+    assert "262144" in bad.value.body["message"], bad.value.body
