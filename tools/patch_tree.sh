@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Brings the patched llama.cpp tree up to date with the patch stack, touching as
 # little as it can so the CMake build stays incremental:
-#   patch_tree.sh apply PRISTINE TREE PATCH...  reverse the stack applied last, apply this one
+#   patch_tree.sh apply PRISTINE TREE PATCH...  the tree becomes pristine + this stack
 #   patch_tree.sh check PRISTINE PATCH...       each patch applies and reverses cleanly
 set -euo pipefail
 
@@ -25,25 +25,25 @@ apply_one() {  # DIR PATCH [patch options]: no fuzz, no offsets tolerated silent
 case "$mode" in
 apply)
     tree=$1; shift
-    applied="$tree/.meshnet-applied"
-    if [ -d "$applied" ]; then
-        # undo the previous stack, newest first; a tree that will not reverse is rebuilt
-        for p in $(ls -r "$applied"/*.patch 2>/dev/null); do
-            if ! apply_one "$tree" "$p" -R; then
-                echo "patched tree is not what the last stack left; starting again from pristine" >&2
-                rm -rf "$tree"
-                break
+    # the stack goes onto a fresh copy of pristine, and only the files whose bytes differ
+    # from the tree's are written into it: the build then recompiles what this change of
+    # the stack touched, not every file that any patch touches
+    work=$(mktemp -d "$(dirname "$tree")/.patching.XXXXXX"); trap 'rm -rf "$work"' EXIT
+    cp -a "$pristine" "$work/tree"
+    for p in "$@"; do apply_one "$work/tree" "$p"; done
+    if [ ! -d "$tree" ]; then
+        mv "$work/tree" "$tree"
+    else
+        rm -rf "$tree/.meshnet-applied"   # (what older versions of this script kept)
+        (cd "$work/tree" && find . -type f -print0) | while IFS= read -r -d '' f; do
+            if ! cmp -s "$work/tree/$f" "$tree/$f"; then
+                mkdir -p "$(dirname "$tree/$f")" && cp "$work/tree/$f" "$tree/$f"   # a new mtime: rebuilt
             fi
         done
-    else
-        rm -rf "$tree"
+        (cd "$tree" && find . -type f -print0) | while IFS= read -r -d '' f; do
+            [ -e "$work/tree/$f" ] || rm -f "$tree/$f"   # made by a patch no longer in the stack
+        done
     fi
-    [ -d "$tree" ] || cp -a "$pristine" "$tree"
-    rm -rf "$applied"; mkdir -p "$applied"
-    for p in "$@"; do
-        apply_one "$tree" "$p"
-        cp "$p" "$applied/"
-    done
     ;;
 check)
     work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
