@@ -1,11 +1,13 @@
-"""What a holder of a model file publishes so that a worker can fetch part of it and trust
-each byte: the file's sha256 and size, the header's bytes and hash, and each tensor's
-place, size and sha256.
+"""What a worker fetching part of a model file trusts each byte by: the file's sha256 and
+size, the header's place and hash, and each tensor's place, size and sha256.
 
-A holder computes it once per file (one read of the file) and keeps it under
-$MESHNET_HOME/hashes keyed by the file's sha256, as the file's own hash is kept: the
-manifest then stays what the file held when its sha256 was checked, and a byte changed
-on the holder's disk later fails the fetcher's check instead of being published anew.
+Only a coordinator vouches for a manifest, never a holder: it computes one from a file
+whose sha256 it checked (its own --model, or a holder's bytes streamed once and hashed
+whole, weights/vouch.py), and a worker takes it from the coordinator it authenticated with
+the token's key. A manifest is kept under $MESHNET_HOME/hashes keyed by the file's sha256,
+as the file's own hash is: it then stays what the file held when its sha256 was checked,
+and a byte changed on a holder's disk later fails the fetcher's check instead of being
+published anew.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from meshnet.engine.gguf_layout import stage_holds, tensor_role
 HEADER = "<header>"          # the span of the GGUF header: metadata and tensor infos
 MAX_TENSORS = 1 << 17
 READ_CHUNK = 1 << 22
+# a bound on the file a manifest describes: above the largest GGUF there is (about 1.5 TiB),
+# far below the sizes at which a sparse file of that length is refused or costs metadata
+MAX_FILE_BYTES = 1 << 42
+MAX_NAME = 512               # a tensor's name (GGUF's own limit is 64)
+MAX_WIRE_BYTES = 32 << 20    # a manifest of MAX_TENSORS spans fits
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class Manifest:
 
     @classmethod
     def from_wire(cls, raw) -> "Manifest":
-        """A manifest as a holder sent it, checked field by field: a bad one is refused whole."""
+        """A manifest as the coordinator sent it, checked field by field and as a whole: a
+        bad one is refused whole, before any byte of the file is written."""
         try:
             body = msgpack.unpackb(bytes(raw), raw=False)
             tensors = body["tensors"]
@@ -74,13 +82,39 @@ class Manifest:
                            filename=_filename(body["filename"]), n_layer=_count(body["n_layer"]),
                            tied_embeddings=bool(body["tied_embeddings"]), header=_span(body["header"]),
                            tensors=tuple(_span(t) for t in tensors))
+        except _Refused as e:
+            raise MeshnetError(E.FETCH_FAILED, f"the manifest is refused: {e}") from None
         except (ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData, msgpack.FormatError,
                 msgpack.StackError):
-            raise MeshnetError(E.FETCH_FAILED, "a holder sent a manifest this version of meshnet cannot read") from None
-        for span in (manifest.header, *manifest.tensors):
-            if span.offset + span.size > manifest.file_bytes:
-                raise MeshnetError(E.FETCH_FAILED, f"the manifest places {span.name} past the end of the file")
+            raise MeshnetError(E.FETCH_FAILED, "a manifest this version of meshnet cannot read") from None
+        manifest.check()
         return manifest
+
+    def check(self) -> None:
+        """The rules that bound what a fetch of this manifest writes: every span inside the
+        file, the header at its start, the tensors after it in order, none overlapping
+        another (so no byte is fetched twice and the spans sum to at most the file), each
+        name once."""
+        def refused(why: str):
+            return MeshnetError(E.FETCH_FAILED, f"the manifest is refused: {why}")
+        if self.file_bytes > MAX_FILE_BYTES:
+            raise refused(f"a file of {self.file_bytes} bytes is over the {MAX_FILE_BYTES}-byte bound")
+        if self.header.name != HEADER or self.header.offset != 0:
+            raise refused("its first span is not the GGUF header at offset 0")
+        end, names = 0, set()
+        for span in (self.header, *self.tensors):
+            if span.offset < end:
+                raise refused(f"{span.name!r} overlaps the span before it or is out of order")
+            end = span.offset + span.size
+            if end > self.file_bytes:
+                raise refused(f"{span.name!r} ends past the end of the {self.file_bytes}-byte file")
+            if span.name in names:
+                raise refused(f"{span.name!r} is named twice")
+            names.add(span.name)
+
+
+class _Refused(ValueError):
+    """A field of a manifest that is readable and refused: the reason names the rule."""
 
 
 def _hex(value) -> str:
@@ -96,17 +130,19 @@ def _count(value) -> int:
 
 
 def _filename(value) -> str:
-    # it names a file under MESHNET_HOME: a path in it would write elsewhere
-    if not isinstance(value, str) or not value or "/" in value or "\\" in value or value in (".", "..") \
-            or len(value) > 255 or "\0" in value:
-        raise ValueError("filename")
+    # it names a file under MESHNET_HOME and is printed: a path in it would write elsewhere,
+    # and a control character (an escape, a newline) would forge what the terminal shows
+    if not isinstance(value, str) or not value or not value.isprintable() or "/" in value or "\\" in value \
+            or value.startswith(".") or len(value) > 255:
+        raise _Refused("its file name is not a plain printable file name")
     return value
 
 
 def _span(value) -> Span:
     name, offset, size, sha = value
-    if not isinstance(name, str) or len(name) > 512:
-        raise ValueError("name")
+    # printed in a failure's reason: plain printable text only
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
+        raise _Refused(f"a tensor name is not 1 to {MAX_NAME} printable characters")
     return Span(name, _count(offset), _count(size), _hex(sha))
 
 
@@ -122,44 +158,60 @@ def _sha256_of_range(fd: int, offset: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def compute(path: str | Path, sha256: str) -> Manifest:
-    """The manifest of the GGUF at PATH, whose sha256 the caller checked: one read of the file."""
+@dataclass(frozen=True)
+class Layout:
+    """What a GGUF's header says of its file: where the data starts, each tensor's
+    (name, offset, size) in file order, and what spans_for needs."""
+    data_start: int
+    n_layer: int
+    tied_embeddings: bool
+    tensors: tuple[tuple[str, int, int], ...]
+
+
+def layout(path: str | Path) -> Layout:
+    """The layout of the GGUF at PATH, read from its header alone (a sparse file whose
+    header is there and whose data are holes reads the same)."""
     import gguf
 
-    path = Path(path)
     reader = gguf.GGUFReader(str(path))
-    tensors = sorted(reader.tensors, key=lambda t: int(t.data_offset))
-    data_start = int(tensors[0].data_offset) if tensors else path.stat().st_size
+    tensors = sorted(((t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors), key=lambda t: t[1])
     arch = reader.fields["general.architecture"].contents()
-    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    return Layout(data_start=tensors[0][1] if tensors else Path(path).stat().st_size,
+                  n_layer=int(reader.fields[f"{arch}.block_count"].contents()),
+                  tied_embeddings=not any(name.startswith("output.") for name, _, _ in tensors),
+                  tensors=tuple(tensors))
+
+
+def compute(path: str | Path, sha256: str) -> Manifest:
+    """The manifest of the GGUF at PATH, whose sha256 the caller checked: one read of the file."""
+    path = Path(path)
+    found = layout(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        header = Span(HEADER, 0, data_start, _sha256_of_range(fd, 0, data_start))
-        spans = tuple(Span(t.name, int(t.data_offset), int(t.n_bytes),
-                           _sha256_of_range(fd, int(t.data_offset), int(t.n_bytes))) for t in tensors)
+        header = Span(HEADER, 0, found.data_start, _sha256_of_range(fd, 0, found.data_start))
+        spans = tuple(Span(name, offset, size, _sha256_of_range(fd, offset, size))
+                      for name, offset, size in found.tensors)
     finally:
         os.close(fd)
-    return Manifest(sha256=sha256, file_bytes=path.stat().st_size, filename=path.name, n_layer=n_layer,
-                    tied_embeddings=not any(t.name.startswith("output.") for t in tensors), header=header,
-                    tensors=spans)
+    return Manifest(sha256=sha256, file_bytes=path.stat().st_size, filename=path.name, n_layer=found.n_layer,
+                    tied_embeddings=found.tied_embeddings, header=header, tensors=spans)
 
 
 def _cache_path(sha256: str) -> Path:
     return meshnet_home() / "hashes" / f"tensors-{sha256}.msgpack"
 
 
-def of_file(path: str | Path, sha256: str) -> Manifest:
-    """The manifest of a file whose sha256 was just checked: computed the first time,
-    then read from MESHNET_HOME/hashes (keyed by the sha256, never re-derived from bytes
-    that may have changed since)."""
-    cache = _cache_path(sha256)
+def cached(sha256: str) -> Manifest | None:
+    """The manifest this host computed before for the file SHA256, if it kept one."""
     try:
-        manifest = Manifest.from_wire(cache.read_bytes())
-        if manifest.sha256 == sha256 and manifest.file_bytes == Path(path).stat().st_size:
-            return dataclasses.replace(manifest, filename=Path(path).name)
+        manifest = Manifest.from_wire(_cache_path(sha256).read_bytes())
     except (OSError, MeshnetError):
-        pass
-    manifest = compute(path, sha256)
+        return None
+    return manifest if manifest.sha256 == sha256 else None
+
+
+def remember(manifest: Manifest) -> None:
+    cache = _cache_path(manifest.sha256)
     tmp = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -170,4 +222,15 @@ def of_file(path: str | Path, sha256: str) -> Manifest:
     except OSError:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)   # an unwritable MESHNET_HOME only costs a read next time
+
+
+def of_file(path: str | Path, sha256: str) -> Manifest:
+    """The manifest of a file whose sha256 was just checked: computed the first time,
+    then read from MESHNET_HOME/hashes (keyed by the sha256, never re-derived from bytes
+    that may have changed since)."""
+    manifest = cached(sha256)
+    if manifest is not None and manifest.file_bytes == Path(path).stat().st_size:
+        return dataclasses.replace(manifest, filename=Path(path).name)
+    manifest = compute(path, sha256)
+    remember(manifest)
     return manifest
