@@ -56,7 +56,9 @@ class MeshHost:
         self.endpoint: str | None = None
         if model is not None:
             path, sha256 = model
+            # the coordinator's own key gets in too: it asks its holder whether it still answers
             self.holder = Holder(path, sha256, same_host_any_port(bind), self.keys,
+                                 {self.keys.public} if self.keys else frozenset(),
                                  join_key=self.join_key.public if self.join_key else None)
             self.model_sha256 = sha256
         else:
