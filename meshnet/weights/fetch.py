@@ -3,10 +3,16 @@
 The file is stored as a sparse file with the original's layout under
 $MESHNET_HOME/models/mesh/SHA256/: the spans fetched are byte-identical to the original
 and the rest are holes, so the engine maps it as it would the whole file and disk use is
-about the stage's share. Each span (the header, a tensor) is checked against the
-manifest's sha256 as its last byte arrives; a span that fails, or a holder that goes
-silent, sends the rest of the fetch to the next holder. What is checked is written down
-beside the file after each span, so a fetch that is stopped resumes where it was.
+about the stage's share. Each span (the header, a tensor) is checked against the sha256 of
+the manifest the coordinator vouches for (never a holder's: weights/manifest.py) as its
+last byte arrives; a span that fails, or a holder that goes silent, sends the rest of the
+fetch to the next holder. What is checked is written down beside the file after each span,
+with the hash it was checked against, so a fetch that is stopped resumes where it was, and
+a span checked against another manifest (another coordinator's) is fetched again.
+
+The disk's free space is looked at before a fetch writes; a disk that fills anyway ends the
+fetch with fetch_failed, and what that fetch wrote is removed (its spans punched back to
+holes), so a full disk is left as it was found.
 
 Requests go out a window at a time on one DEALER per holder (the credit-based flow of
 the ZeroMQ guide's file transfer), so the link stays busy while memory stays bounded by
@@ -16,6 +22,8 @@ WINDOW x CHUNK however large the model.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -23,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import zmq
 
@@ -34,6 +42,7 @@ from meshnet.net import protocol as P
 from meshnet.net import security, sockets
 from meshnet.net.addresses import reachable
 from meshnet.net.security import KeyPair
+from meshnet.core.planner import format_size
 from meshnet.weights.manifest import Manifest, Span
 
 log = logging.getLogger("meshnet.weights.fetch")
@@ -41,7 +50,7 @@ log = logging.getLogger("meshnet.weights.fetch")
 CHUNK = 1 << 20          # bytes a FETCH asks for
 WINDOW = 8               # FETCHes in flight per holder: memory is bounded by WINDOW x CHUNK
 SILENCE_S = 15.0         # a holder that sends nothing for this long is given up for the next
-STATE_SUFFIX = ".have"   # beside the file: the spans fetched and checked, by name
+STATE_SUFFIX = ".have"   # beside the file: the spans fetched and checked, by name, with what they were checked against
 STATE_EVERY_S = 0.25     # ... written down this often at most while a fetch runs (and at its end): a stopped
                          # fetch redoes at most this much, and a model of many small tensors is not slowed
 
@@ -62,11 +71,12 @@ def store_path(manifest: Manifest) -> Path:
 
 class Fetch:
     def __init__(self, manifest: Manifest, holders: list[HolderAddress], keys: KeyPair | None,
-                 coordinator: str = "", path: Path | None = None, silence_s: float = SILENCE_S):
+                 coordinator: str = "", path: Path | None = None, silence_s: float = SILENCE_S,
+                 refresh: Callable[[], list[HolderAddress]] | None = None):
         self.manifest = manifest
-        # a holder bound to every interface is reached on the coordinator's host
-        self.holders = [HolderAddress(reachable(h.endpoint, coordinator) if coordinator else h.endpoint, h.key)
-                        for h in holders]
+        self.coordinator = coordinator
+        self.holders = self._reachable(holders)
+        self.refresh = refresh          # who holds the bytes now (the coordinator's HOLDERS), before each run
         self.keys = keys
         self.silence_s = silence_s
         self.path = Path(path or store_path(manifest))
@@ -78,25 +88,38 @@ class Fetch:
         self.seconds = 0.0
         self.failures: list[str] = []   # each holder given up, and why
 
+    def _reachable(self, holders: list[HolderAddress]) -> list[HolderAddress]:
+        # a holder bound to every interface is reached on the coordinator's host
+        return [HolderAddress(reachable(h.endpoint, self.coordinator) if self.coordinator else h.endpoint, h.key)
+                for h in holders]
+
     # the file and what of it is here
 
     def _prepare(self) -> set[str]:
-        """The sparse file at its full size, and the spans already checked in it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """The sparse file at its full size, and the spans already checked in it against this
+        manifest's hashes (a name alone says nothing of the bytes)."""
+        spans = {s.name: [s.offset, s.size, s.sha256] for s in (self.manifest.header, *self.manifest.tensors)}
         have: set[str] = set()
         try:
             state = json.loads(self.state_path.read_text())
-            if state.get("sha256") == self.manifest.sha256 and self.path.stat().st_size == self.manifest.file_bytes:
-                have = set(state.get("have", []))
+            if state.get("sha256") == self.manifest.sha256 and self.path.stat().st_size == self.manifest.file_bytes \
+                    and isinstance(state.get("have"), dict):
+                have = {name for name, checked in state["have"].items() if spans.get(name) == checked}
         except (OSError, ValueError, AttributeError):
             pass   # nothing fetched yet, or a state this version cannot read: fetch again
         if not have:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                os.ftruncate(fd, 0)   # holes, not stale bytes of another attempt
-                os.ftruncate(fd, self.manifest.file_bytes)
-            finally:
-                os.close(fd)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    os.ftruncate(fd, 0)   # holes, not stale bytes of another attempt
+                    os.ftruncate(fd, self.manifest.file_bytes)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                self._forget_all()
+                raise MeshnetError(E.FETCH_FAILED, f"cannot make the model's file at {self.path}: {e.strerror}") \
+                    from None
         return have
 
     def _save_state(self, now: bool = True) -> None:
@@ -104,8 +127,10 @@ class Fetch:
             self._unsaved = True
             return
         self._saved_at, self._unsaved = time.monotonic(), False
+        spans = {s.name: [s.offset, s.size, s.sha256] for s in (self.manifest.header, *self.manifest.tensors)
+                 if s.name in self.have}
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps({"sha256": self.manifest.sha256, "have": sorted(self.have)}))
+        tmp.write_text(json.dumps({"sha256": self.manifest.sha256, "have": spans}))
         os.replace(tmp, self.state_path)
 
     def missing(self, spans: list[Span]) -> list[Span]:
@@ -119,8 +144,13 @@ class Fetch:
 
     def run(self, spans: list[Span], progress: Callable[[int, int], None] | None = None) -> None:
         """Fetch and check every span of SPANS not here yet; FETCH_FAILED when no holder
-        could give them all, naming each holder's failure."""
+        could give them all, naming each holder's failure, or when the disk cannot take them
+        (and then what this run wrote is removed)."""
         wanted = self.missing(spans)
+        if not wanted:
+            return
+        self._refresh_holders()
+        self._check_room(wanted)
         total = sum(s.size for s in wanted)
         done = [0]
 
@@ -129,73 +159,94 @@ class Fetch:
             if progress is not None:
                 progress(done[0], total)
         began = time.monotonic()
-        for holder in self.holders:
-            if not wanted:
-                break
-            try:
-                self._from(holder, wanted, advanced)
-            except HolderFailed as e:
-                self.failures.append(f"{holder.endpoint}: {e}")
-                log.warning("fetch: %s failed (%s); %s", holder.endpoint, e,
-                            "asking the next holder" if holder is not self.holders[-1] else "no holder is left")
-            wanted = self.missing(wanted)
-        self.seconds += time.monotonic() - began
-        if wanted:
+        left = wanted
+        try:
+            for holder in self.holders:
+                if not left:
+                    break
+                try:
+                    self._from(holder, left, advanced)
+                except HolderFailed as e:
+                    self.failures.append(f"{holder.endpoint}: {e}")
+                    log.warning("fetch: %s failed (%s); %s", holder.endpoint, e,
+                                "asking the next holder" if holder is not self.holders[-1] else "no holder is left")
+                left = self.missing(left)
+        except OSError as e:
+            self._undo(wanted)
+            raise MeshnetError(E.FETCH_FAILED, f"writing the model's bytes to {self.path} failed ({e.strerror}): "
+                               "what this fetch wrote is removed") from None
+        finally:
+            self.seconds += time.monotonic() - began
+        if left:
             why = "; ".join(self.failures) or "the mesh has no holder of this model's bytes"
-            raise MeshnetError(E.FETCH_FAILED, f"{len(wanted)} of the model's spans ({sum(s.size for s in wanted)} "
+            raise MeshnetError(E.FETCH_FAILED, f"{len(left)} of the model's spans ({sum(s.size for s in left)} "
                                f"bytes) could not be fetched: {why}")
 
+    def _refresh_holders(self) -> None:
+        if self.refresh is None:
+            return
+        try:
+            self.holders = self._reachable(self.refresh())
+        except MeshnetError as e:   # the coordinator is away: the holders known before may still serve
+            log.warning("fetch: could not ask the coordinator who holds the bytes now (%s)", e)
+
+    def _check_room(self, spans: list[Span]) -> None:
+        """FETCH_FAILED unless the disk holding the file has room for SPANS (each rounded out
+        to whole blocks) and the state beside it; a file that holds nothing checked yet is
+        removed then, as nothing else made it."""
+        st = os.statvfs(self.path.parent)
+        block = st.f_frsize or 4096
+        need = sum(-(-s.size // block) * block + block for s in spans) + 2 * (len(self.manifest.tensors) + 1) * 256
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            if not self.have:
+                self._forget_all()
+            raise MeshnetError(E.FETCH_FAILED, f"the disk holding {self.path.parent} has {format_size(free)} free; "
+                               f"the {len(spans)} span(s) to fetch need {format_size(need)}")
+
+    def _undo(self, spans: list[Span]) -> None:
+        """Remove what a failed run wrote: its spans back to holes and out of the state; the
+        whole file and state where holes cannot be punched, or where nothing else is left."""
+        undone = {s.name for s in spans}
+        self.have -= undone
+        try:
+            if not self.have:
+                raise OSError("nothing checked is left")
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                for start, end in _runs(self.manifest, undone):
+                    _punch_hole(fd, start, end - start)
+            finally:
+                os.close(fd)
+            self._save_state()
+        except OSError:
+            self._forget_all()
+
+    def _forget_all(self) -> None:
+        self.have = set()
+        for path in (self.path, self.state_path, self.state_path.with_name(self.state_path.name + ".tmp")):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
     def _from(self, holder: HolderAddress, spans: list[Span], advanced: Callable[[int], None]) -> None:
-        """Every span of SPANS from one holder, WINDOW requests in flight; HolderFailed at
-        its first failure (what was checked before it stays)."""
-        chunks = ((span, offset, min(CHUNK, span.offset + span.size - offset))
-                  for span in spans for offset in range(span.offset, span.offset + max(span.size, 1), CHUNK))
-        in_flight: collections.deque = collections.deque()
+        """Every span of SPANS from one holder; HolderFailed at its first failure (what was
+        checked before it stays); OSError when the disk refuses a write."""
         digests: dict[str, hashlib._Hash] = {}
-        rid = 0
-        ctx = zmq.Context()
-        sock = _to_holder(ctx, holder.endpoint, holder.key, self.keys, CHUNK + 2 * P.MAX_HEADER_BYTES)
         fd = os.open(self.path, os.O_WRONLY)
         try:
-            pending = next(chunks, None)
-            while pending is not None or in_flight:
-                while pending is not None and len(in_flight) < WINDOW:
-                    span, offset, length = pending
-                    if length == 0:   # an empty tensor: nothing to ask for
-                        self._checked(span, hashlib.sha256())
-                    else:
-                        rid += 1
-                        sock.send_multipart(P.encode(P.FETCH, rid, offset=offset, length=length))
-                        in_flight.append((rid, span, offset, length))
-                    pending = next(chunks, None)
-                if not in_flight:
-                    continue
-                if not sock.poll(int(self.silence_s * 1000)):
-                    raise HolderFailed(f"no answer within {self.silence_s:.0f} s")
-                frames, why = P.recv_frames(sock, 2, CHUNK + P.MAX_HEADER_BYTES)
-                if why is not None:
-                    raise HolderFailed(why)
-                try:
-                    msg = P.decode(frames, CHUNK)
-                except P.ProtocolError as e:
-                    raise HolderFailed(f"a malformed answer: {e}") from None
-                want_rid, span, offset, length = in_flight.popleft()
-                if msg.type == P.ERROR:
-                    raise HolderFailed(f"[{msg['code']}] {msg['message']}")
-                if msg.rid != want_rid or msg.get("offset") != offset or msg.payload is None \
-                        or len(msg.payload) != length:
-                    raise HolderFailed(f"an answer that is not the bytes [{offset}, {offset + length}) asked for")
-                os.pwrite(fd, msg.payload, offset)
-                digest = digests.setdefault(span.name, hashlib.sha256())
-                digest.update(msg.payload)
-                self.fetched_bytes += length
-                advanced(length)
-                if offset + length == span.offset + span.size:
-                    self._checked(span, digests.pop(span.name))
+            with contextlib.closing(stream(holder, self.keys, ((s, s.offset, s.size) for s in spans),
+                                           self.silence_s)) as chunks:
+                for span, offset, data in chunks:
+                    if len(data):
+                        os.pwrite(fd, data, offset)
+                    digest = digests.setdefault(span.name, hashlib.sha256())
+                    digest.update(data)
+                    self.fetched_bytes += len(data)
+                    advanced(len(data))
+                    if offset + len(data) == span.offset + span.size:
+                        self._checked(span, digests.pop(span.name))
         finally:
             os.close(fd)
-            sock.close(linger=0)
-            ctx.term()
             if self._unsaved:
                 self._save_state()
 
@@ -204,6 +255,85 @@ class Fetch:
             raise HolderFailed(f"{span.name} does not have the manifest's sha256 (the holder's copy is corrupt)")
         self.have.add(span.name)
         self._save_state(now=False)
+
+
+def _runs(manifest: Manifest, names: set[str]) -> list[tuple[int, int]]:
+    """[start, end) of each run of the file's spans that are all in NAMES: punched whole, so
+    that the blocks two neighbouring spans share are freed too (the padding between them is
+    a hole in the copy already), while a block shared with a span kept is kept."""
+    runs: list[tuple[int, int]] = []
+    run = None
+    for span in (manifest.header, *manifest.tensors):
+        if span.name in names:
+            run = (run[0] if run else span.offset, span.offset + span.size)
+        elif run is not None:
+            runs.append(run)
+            run = None
+    return runs + ([run] if run else [])
+
+
+_fallocate = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
+
+
+def _punch_hole(fd: int, offset: int, size: int) -> None:
+    """Free the blocks of [OFFSET, OFFSET + SIZE) and read zeros there, as before they were
+    written; OSError where the system or the filesystem cannot."""
+    if _fallocate is None:
+        raise OSError("fallocate is not available here")
+    if size and _fallocate(fd, _FALLOC_PUNCH_HOLE, offset, size) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def stream(holder: HolderAddress, keys: KeyPair | None, ranges: Iterable[tuple[object, int, int]],
+           silence_s: float = SILENCE_S) -> Iterator[tuple[object, int, memoryview | bytes]]:
+    """The bytes of each (TAG, OFFSET, SIZE) of RANGES from one holder, in order, as (TAG,
+    OFFSET, DATA) pieces of at most CHUNK (an empty range gives one empty piece), WINDOW
+    requests in flight on one DEALER (the credit-based flow of the ZeroMQ guide's file
+    transfer); HolderFailed at the first failure."""
+    chunks = ((tag, offset, min(CHUNK, start + size - offset))
+              for tag, start, size in ranges for offset in range(start, start + max(size, 1), CHUNK))
+    in_flight: collections.deque = collections.deque()
+    rid = 0
+    ctx = zmq.Context()
+    sock = _to_holder(ctx, holder.endpoint, holder.key, keys, CHUNK + 2 * P.MAX_HEADER_BYTES)
+    try:
+        pending = next(chunks, None)
+        while pending is not None or in_flight:
+            while pending is not None and len(in_flight) < WINDOW:
+                tag, offset, length = pending
+                if length:
+                    rid += 1
+                    sock.send_multipart(P.encode(P.FETCH, rid, offset=offset, length=length))
+                in_flight.append((rid if length else None, tag, offset, length))
+                pending = next(chunks, None)
+            while in_flight and in_flight[0][0] is None:   # an empty range: nothing was asked
+                _, tag, offset, _ = in_flight.popleft()
+                yield tag, offset, b""
+            if not in_flight:
+                continue
+            if not sock.poll(int(silence_s * 1000)):
+                raise HolderFailed(f"no answer within {silence_s:.0f} s")
+            frames, why = P.recv_frames(sock, 2, CHUNK + P.MAX_HEADER_BYTES)
+            if why is not None:
+                raise HolderFailed(why)
+            try:
+                msg = P.decode(frames, CHUNK)
+            except P.ProtocolError as e:
+                raise HolderFailed(f"a malformed answer: {e}") from None
+            want_rid, tag, offset, length = in_flight.popleft()
+            if msg.type == P.ERROR:
+                raise HolderFailed(f"[{msg['code']}] {msg['message']}")
+            if msg.rid != want_rid or msg.get("offset") != offset or msg.payload is None \
+                    or len(msg.payload) != length:
+                raise HolderFailed(f"an answer that is not the bytes [{offset}, {offset + length}) asked for")
+            yield tag, offset, msg.payload
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _to_holder(ctx: zmq.Context, endpoint: str, key: bytes | None, keys: KeyPair | None,
