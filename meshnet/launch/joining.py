@@ -1,10 +1,13 @@
 """A machine joining a mesh (`meshnet worker --join TOKEN`): the coordinator found (the
 token's addresses, or mDNS), the token checked by the coordinator itself, and the model:
 the file given, which this worker then serves to the others too, or else the model's
-header fetched now and its layers' bytes once the coordinator assigns them."""
+header fetched now and its layers' bytes once the coordinator assigns them, each checked
+against the manifest the coordinator vouches for. A worker that joins before any holder
+does (or while the coordinator still hashes a holder's copy) waits for one, saying so."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,12 +17,17 @@ from meshnet.engine import models
 from meshnet.net import discovery, join
 from meshnet.net.addresses import same_host_any_port
 from meshnet.net.security import KeyPair
-from meshnet.weights.fetch import Fetch, fetch_manifest, holders_of
+from meshnet.weights.fetch import Fetch, MeshModel, holders_of
 from meshnet.weights.holder import Holder
 
 DISCOVER_S = 10.0   # how long a worker looks for its coordinator on the LAN
 PROBE_S = 3.0       # ... and tries each address a token names, when it names several
 ANSWER_S = 15.0     # ... or the one it names
+# how long a worker without the file waits for a holder the coordinator vouches for (a
+# holder that joins at the same moment, or a coordinator hashing a holder's copy: the wait
+# starts again each time that hashing advances, which ends with the file)
+HOLDER_WAIT_S = 120.0
+HOLDER_POLL_S = 0.5
 
 
 @dataclass
@@ -50,7 +58,7 @@ def ask_first(endpoints, keys: KeyPair | None, coordinator_key: bytes | None):
 
 
 def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, model: str | None, data_bind: str,
-              echo: Callable[[str], None] = print) -> Joined:
+              echo: Callable[[str], None] = print, holder_wait: float = HOLDER_WAIT_S) -> Joined:
     token = join.parse_token(token_text) if token_text is not None else None
     keys = token.keys if token else None
     coordinator_key = token.coordinator_key if token else None
@@ -62,7 +70,7 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
         found = discovery.find(coordinator_key.decode() if coordinator_key else None, timeout=DISCOVER_S)
         candidates = list(found.endpoints)
         echo(f"meshnet worker: found the coordinator {found.name} on the LAN at {', '.join(candidates)}")
-    coordinator, (sha256, holders) = ask_first(candidates, keys, coordinator_key)
+    coordinator, offered = ask_first(candidates, keys, coordinator_key)
     if model is not None:
         path, file_sha256 = models.resolve(model)
         holder = None
@@ -71,13 +79,44 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
             holder = Holder(path, file_sha256, same_host_any_port(data_bind), keys, {coordinator_key},
                             join_key=lambda: keys.public)
         return Joined(coordinator, keys, coordinator_key, None, holder, (path, file_sha256))
-    if sha256 is None or not holders:
-        raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} serves no model file and no stage "
-                           "offers one: give this worker --model (a copy of the model), or start the coordinator "
-                           "with --model")
-    manifest = fetch_manifest(holders, keys, coordinator, sha256)
-    fetch = Fetch(manifest, holders, keys, coordinator)
+
+    def ask() -> MeshModel:
+        return holders_of(coordinator, keys, coordinator_key)
+    offered = wait_for_holders(coordinator, offered, ask, holder_wait, echo)
+    manifest = offered.manifest
+    fetch = Fetch(manifest, offered.holders, keys, coordinator, refresh=lambda: ask().holders)
     fetch.run([manifest.header])
-    echo(f"meshnet worker: model {manifest.filename} ({sha256[:12]}) from the mesh, {len(holders)} holder(s): "
-         f"only the bytes of the layers the coordinator assigns are fetched, into {fetch.path}")
-    return Joined(coordinator, keys, coordinator_key, fetch, None, (fetch.path, sha256))
+    echo(f"meshnet worker: model {manifest.filename} ({manifest.sha256[:12]}) from the mesh, {len(offered.holders)} "
+         f"holder(s): only the bytes of the layers the coordinator assigns are fetched, into {fetch.path}")
+    return Joined(coordinator, keys, coordinator_key, fetch, None, (fetch.path, manifest.sha256))
+
+
+def wait_for_holders(coordinator: str, offered: MeshModel, ask: Callable[[], MeshModel], wait: float,
+                     echo: Callable[[str], None]) -> MeshModel:
+    """OFFERED once it names a holder and a manifest the coordinator vouches for, asking again
+    (ASK) every HOLDER_POLL_S; FETCH_FAILED, saying why, when none comes within WAIT seconds."""
+    deadline = time.monotonic() + wait
+    said, progress = None, None
+    while offered.manifest is None or not offered.holders:
+        if offered.checking is not None and offered.checking != progress:
+            progress = offered.checking
+            deadline = time.monotonic() + wait   # the hashing advanced (and it ends with the file)
+        if offered.checking is not None:
+            saying = (f"meshnet worker: the coordinator is hashing a holder's copy of model {offered.sha256[:12]} "
+                      "before it vouches for its bytes; waiting")
+        else:
+            saying = (f"meshnet worker: no holder of the model's bytes yet (the coordinator at {coordinator} lists "
+                      f"none that answers with bytes it vouches for): waiting up to {wait:.0f} s for one")
+        if offered.why:
+            saying += f"; the coordinator refused: {offered.why}"
+        if saying != said:
+            echo(saying)
+            said = saying
+        if time.monotonic() >= deadline:
+            why = f" ({offered.why})" if offered.why else ""
+            raise MeshnetError(E.FETCH_FAILED, f"no holder of the model's bytes that the coordinator at {coordinator} "
+                               f"vouches for appeared within {wait:.0f} s{why}: give this worker --model (a copy of "
+                               "the model), or start the coordinator with --model")
+        time.sleep(min(HOLDER_POLL_S, max(0.0, deadline - time.monotonic())))
+        offered = ask()
+    return offered

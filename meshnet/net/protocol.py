@@ -66,10 +66,12 @@ CHAT = "chat"              # coordinator -> worker: an OpenAI chat request (JSON
                            # tools, tool_choice) -> the template's prompt, grammar and tool-call format (JSON),
                            # by llama.cpp's common chat code (engine: meshnet_chat_apply)
 # weights over the mesh (meshnet/weights/): a worker without the model file fetches the
-# bytes of its range from a holder, each tensor checked against the holder's manifest
-HOLDERS = "holders"        # worker -> coordinator: the model's sha256 and who holds its bytes ([endpoint, key])
-MANIFEST = "manifest"      # worker -> holder: the model's manifest (weights/manifest.py), msgpack in the payload
-FETCH = "fetch"            # worker -> holder: LENGTH bytes of the file at OFFSET, in the payload of the OK
+# bytes of its range from a holder, each tensor checked against the manifest the coordinator
+# vouches for (weights/vouch.py), never one a holder sends
+HOLDERS = "holders"        # worker -> coordinator: the model's sha256, who holds its bytes ([endpoint, key]) that
+                           # answers, and the manifest the coordinator vouches for (msgpack) in the OK's payload
+MANIFEST = "manifest"      # coordinator -> holder: the holder's own manifest, a hint checked by hashing the file
+FETCH = "fetch"            # worker, coordinator -> holder: LENGTH bytes of the file at OFFSET, in the OK's payload
 OK = "ok"                  # reply with no payload (open, cancel, release, health, capability)
 ERROR = "error"            # reply to anything that failed, with a code; unasked, a session's failure
 # the data plane

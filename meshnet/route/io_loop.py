@@ -34,6 +34,7 @@ from meshnet.route.events import Emit, Leave, Push, Request, TokenEvent
 from meshnet.route.listener import Listener, peer_key
 from meshnet.route.sessions import SessionTable
 from meshnet.route.standby import plan_standby
+from meshnet.weights.vouch import Voucher
 
 log = logging.getLogger("meshnet.route.coordinator")
 MAX_FRAMES = 3                 # a peer's identity, a header and at most one payload
@@ -54,6 +55,7 @@ class IOLoop:
                                   resume_wait=config.resume_wait, max_resumes=config.max_resumes,
                                   speculate=config.speculate, counters=self.counters)
         self.callers: dict[int, queue.Queue] = {}
+        self.voucher = Voucher(config.keys, config.model_sha256, config.holder)
         self.timeline = Timeline("coordinator") if config.trace else None
         self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._commands: queue.Queue = queue.Queue()
@@ -81,6 +83,7 @@ class IOLoop:
         self._running = False
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        self.voucher.close()
         self.sockets.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -287,7 +290,10 @@ class IOLoop:
             self._register(identity, msg, peer_key(frames[0]))
         elif msg.type == P.HOLDERS:
             # asked before a worker registers: it has no model file yet, only a token
-            self._send(identity, P.encode(P.OK, msg.rid, info=self._holders()))
+            info, manifest = self.voucher.answer(identity, [
+                (w.capability.weights, w.public_key, w.capability.model_sha256) for w in self.registry.all()
+                if w.capability.weights])
+            self._send(identity, P.encode(P.OK, msg.rid, manifest, info=info))
         elif worker is None:
             if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
                 self._send(identity, P.encode(P.DISCONNECT, 0))  # a worker we forgot: announce again
@@ -413,17 +419,6 @@ class IOLoop:
             self._request(a.worker, P.ASSIGN, Pending(RequestKind.ASSIGN, None, a.worker.identity, -1,
                                                       now() + timeout),
                           layers=[a.layers.start, a.layers.end])
-
-    def _holders(self) -> dict:
-        """The model's sha256 and who serves its bytes: this host's holder, then each
-        worker that serves its file and holds this model."""
-        holders = [list(self.config.holder)] if self.config.holder is not None else []
-        sha256 = self.config.model_sha256
-        for w in self.registry.all():
-            if w.capability.weights and (sha256 is None or w.capability.model_sha256 == sha256):
-                sha256 = sha256 or w.capability.model_sha256
-                holders.append([w.capability.weights, w.public_key])
-        return {"model_sha256": sha256, "holders": holders}
 
     def _assign_failed(self, worker: WorkerRecord, why: str) -> None:
         log.warning("coordinator: worker %s could not load %s: %s", worker.name, worker.assigning, why)

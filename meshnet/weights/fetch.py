@@ -43,6 +43,7 @@ from meshnet.net import security, sockets
 from meshnet.net.addresses import reachable
 from meshnet.net.security import KeyPair
 from meshnet.core.planner import format_size
+from meshnet.weights import manifest as manifests
 from meshnet.weights.manifest import Manifest, Span
 
 log = logging.getLogger("meshnet.weights.fetch")
@@ -63,6 +64,18 @@ class HolderAddress:
 
 class HolderFailed(Exception):
     """This holder could not give a span: the next one is asked."""
+
+
+@dataclass(frozen=True)
+class MeshModel:
+    """The coordinator's answer to HOLDERS: the model it routes, who serves its bytes, and the
+    manifest it vouches for (None while it has none: it has no file of its own and is still
+    hashing a holder's, CHECKING (bytes done, of), or found none it could vouch for, WHY)."""
+    sha256: str | None
+    holders: list[HolderAddress]
+    manifest: Manifest | None
+    checking: tuple[int, int] | None = None
+    why: str | None = None
 
 
 def store_path(manifest: Manifest) -> Path:
@@ -346,47 +359,17 @@ def _to_holder(ctx: zmq.Context, endpoint: str, key: bytes | None, keys: KeyPair
     return sock
 
 
-def fetch_manifest(holders: list[HolderAddress], keys: KeyPair | None, coordinator: str, sha256: str,
-                   timeout: float = SILENCE_S) -> Manifest:
-    """The manifest of the model SHA256 from the first holder that gives one."""
-    failures = []
-    for holder in holders:
-        endpoint = reachable(holder.endpoint, coordinator) if coordinator else holder.endpoint
-        ctx, sock = zmq.Context(), None
-        try:
-            sock = _to_holder(ctx, endpoint, holder.key, keys, P.MAX_FETCH_BYTES * 32)
-            sock.send_multipart(P.encode(P.MANIFEST, 1))
-            if not sock.poll(int(timeout * 1000)):
-                failures.append(f"{endpoint}: no answer within {timeout:.0f} s")
-                continue
-            msg = P.decode(sock.recv_multipart(copy=False), P.MAX_FETCH_BYTES * 32)
-            if msg.type == P.ERROR or msg.payload is None:
-                failures.append(f"{endpoint}: {msg.get('message', 'no manifest')}")
-                continue
-            manifest = Manifest.from_wire(msg.payload)
-            if manifest.sha256 != sha256:
-                failures.append(f"{endpoint}: it holds model {manifest.sha256[:12]}, not {sha256[:12]}")
-                continue
-            return manifest
-        except (MeshnetError, zmq.ZMQError) as e:
-            failures.append(f"{endpoint}: {e}")
-        finally:
-            if sock is not None:
-                sock.close(linger=0)
-            ctx.term()
-    raise MeshnetError(E.FETCH_FAILED, "no holder gave the model's manifest: " + ("; ".join(failures) or
-                                                                                "the mesh names no holder"))
-
-
 def holders_of(coordinator: str, keys: KeyPair | None, coordinator_key: bytes | None,
-               timeout: float = SILENCE_S) -> tuple[str | None, list[HolderAddress]]:
-    """Ask the coordinator (HOLDERS) which model it routes and who serves its bytes. It is
-    also the first word a joining worker has with it: a token the coordinator does not
-    admit fails here, with join_refused, instead of a worker that waits forever."""
+               timeout: float = SILENCE_S) -> MeshModel:
+    """Ask the coordinator (HOLDERS) which model it routes, who serves its bytes and the
+    manifest it vouches for. It is also the first word a joining worker has with it: a
+    token the coordinator does not admit fails here, with join_refused, instead of a
+    worker that waits forever. With a token the answer comes over CURVE from the key the
+    token names, so the manifest is the coordinator's own word."""
     from zmq.utils.monitor import recv_monitor_message
 
     ctx = zmq.Context()
-    sock = sockets.fetch_dealer(ctx, max_frame=2 * P.MAX_HEADER_BYTES)
+    sock = sockets.fetch_dealer(ctx, max_frame=manifests.MAX_WIRE_BYTES + 2 * P.MAX_HEADER_BYTES)
     monitor = sock.get_monitor_socket(security.HANDSHAKE_FAILED)
     try:
         if keys is not None:
@@ -406,17 +389,7 @@ def holders_of(coordinator: str, keys: KeyPair | None, coordinator_key: bytes | 
                                    "not this mesh's, or the coordinator runs without keys; use the line "
                                    "`meshnet coordinator` prints now")
             if sock in events:
-                msg = P.decode(sock.recv_multipart(copy=False), 0)
-                if msg.type != P.OK:
-                    raise MeshnetError(msg.get("code", E.INTERNAL), f"the coordinator at {coordinator} would not say "
-                                       f"who holds the model: {msg.get('message')}")
-                info = msg.get("info") or {}
-                holders = info.get("holders")
-                if not isinstance(holders, list) or not all(
-                        isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) for h in holders):
-                    raise MeshnetError(E.FETCH_FAILED, "the coordinator's list of holders is malformed")
-                return info.get("model_sha256"), [HolderAddress(h[0], h[1].encode() if h[1] else None)
-                                                  for h in holders]
+                return _mesh_model(coordinator, P.decode(sock.recv_multipart(copy=False), manifests.MAX_WIRE_BYTES))
         raise MeshnetError(E.UNREACHABLE, f"no coordinator answered at {coordinator} within {timeout:.0f} s")
     except P.ProtocolError as e:
         raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} answered with {e}") from None
@@ -425,3 +398,32 @@ def holders_of(coordinator: str, keys: KeyPair | None, coordinator_key: bytes | 
         monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
+
+
+def _mesh_model(coordinator: str, msg: P.Message) -> MeshModel:
+    if msg.type != P.OK:
+        raise MeshnetError(msg.get("code", E.INTERNAL), f"the coordinator at {coordinator} would not say "
+                           f"who holds the model: {msg.get('message')}")
+    info = msg.get("info") or {}
+    holders, sha256, checking, why = info.get("holders"), info.get("model_sha256"), info.get("checking"), info.get("why")
+    if not isinstance(holders, list) or not all(
+            isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and isinstance(h[1], (str, type(None)))
+            for h in holders) \
+            or not (sha256 is None or isinstance(sha256, str)) or not (why is None or isinstance(why, str)) \
+            or not (checking is None or isinstance(checking, list) and len(checking) == 2
+                    and all(isinstance(n, int) for n in checking)):
+        raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} sent a malformed list of holders")
+    manifest = None
+    if msg.payload is not None:
+        try:
+            manifest = Manifest.from_wire(msg.payload)
+        except MeshnetError as e:
+            raise MeshnetError(e.code, f"the coordinator at {coordinator} vouches for a manifest this worker "
+                               f"refuses, and fetches nothing: {e.message}") from None
+        if manifest.sha256 != sha256:
+            raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} vouches for a manifest of model "
+                               f"{manifest.sha256[:12]}, not of the model {str(sha256)[:12]} it routes")
+    # printed by the worker: plain printable text only, however the coordinator wrote it
+    why = "".join(c if c.isprintable() else "?" for c in why[:2000]) if why else None
+    return MeshModel(sha256, [HolderAddress(h[0], h[1].encode() if h[1] else None) for h in holders], manifest,
+                     tuple(checking) if checking else None, why)
