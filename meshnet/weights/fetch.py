@@ -405,13 +405,15 @@ def _mesh_model(coordinator: str, msg: P.Message) -> MeshModel:
         raise MeshnetError(msg.get("code", E.INTERNAL), f"the coordinator at {coordinator} would not say "
                            f"who holds the model: {msg.get('message')}")
     info = msg.get("info") or {}
-    holders, sha256, checking, why = info.get("holders"), info.get("model_sha256"), info.get("checking"), info.get("why")
-    if not isinstance(holders, list) or not all(
-            isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and isinstance(h[1], (str, type(None)))
-            for h in holders) \
-            or not (sha256 is None or isinstance(sha256, str)) or not (why is None or isinstance(why, str)) \
-            or not (checking is None or isinstance(checking, list) and len(checking) == 2
-                    and all(isinstance(n, int) for n in checking)):
+    holders, sha256 = info.get("holders"), info.get("model_sha256")
+    checking, why = info.get("checking"), info.get("why")
+    well_formed = (isinstance(holders, list)
+                   and all(isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
+                           and (h[1] is None or isinstance(h[1], str)) for h in holders)
+                   and (sha256 is None or isinstance(sha256, str)) and (why is None or isinstance(why, str))
+                   and (checking is None or isinstance(checking, list) and len(checking) == 2
+                        and all(isinstance(n, int) for n in checking)))
+    if not well_formed:
         raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} sent a malformed list of holders")
     manifest = None
     if msg.payload is not None:

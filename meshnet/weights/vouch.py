@@ -32,7 +32,6 @@ import zmq
 from meshnet.core.errors import MeshnetError
 from meshnet.core.home import meshnet_home
 from meshnet.net import protocol as P
-from meshnet.net import sockets
 from meshnet.net.addresses import reachable
 from meshnet.net.security import KeyPair
 from meshnet.weights import manifest as manifests
