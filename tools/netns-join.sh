@@ -4,7 +4,7 @@
 # a coordinator with the mesh's keys, the holder of the model's bytes and its mDNS
 # announcement, and its own worker for the first half of the layers (as `meshnet serve --mem`
 # starts it). B has meshnet and no model file (MESHNET_HOME an empty directory) and runs
-#   meshnet worker --join TOKEN --discover --mem 8G
+#   meshnet worker --join-file TOKEN_FILE --discover --mem 8G
 # with the token printed without addresses: it finds A on the link by mDNS, fetches only
 # the bytes of the layers it is assigned, over CURVE, and serves them. The checker compares
 # the route with the whole model in one process (tokens and logits), checks every link's
@@ -115,7 +115,8 @@ token=$(cat "$logs/token")
 say "the join token (no addresses: B looks for A on the link) is ${#token} characters"
 
 # B: meshnet and no model file; it finds A by mDNS and fetches its layers' bytes
-start "worker B" "$ns_b" env MESHNET_HOME="$b_home" "$py" -m meshnet.cli.main worker --join "$token" --discover \
+# (the token from its file: on a command line every user of the host could read it)
+start "worker B" "$ns_b" env MESHNET_HOME="$b_home" "$py" -m meshnet.cli.main worker --join-file "$logs/token" --discover \
     --mem 8G --data-bind "tcp://$addr_b:0"
 worker_b=${pids[-1]}
 # and what `meshnet status --discover` lists from B meanwhile

@@ -273,7 +273,8 @@ if [ "$insecure" != 1 ]; then
     else
         line=$(on "$host_a" "$join_token") || not_ready "$host_a gave no join line (${line:-no answer})"
         token_file=$here/join-token
-        (umask 077 && awk '{ print $4 }' <<<"$line" > "$token_file")
+        # the line is MESHNET_JOIN=TOKEN meshnet worker --mem SIZE
+        (umask 077 && grep -o 'mnj1-[A-Za-z0-9_-]*' <<<"$line" | head -n 1 > "$token_file")
         grep -q '^mnj1-' "$token_file" || not_ready "$host_a gave no join token: $line"
     fi
     send_key "$host_a" "$token_file" join-token

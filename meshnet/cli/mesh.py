@@ -23,7 +23,11 @@ from meshnet.launch.progress import load_bars
 @click.command()
 @click.option("--join", "join_token", default=None, envvar="MESHNET_JOIN",
               help="the token `meshnet coordinator` printed: its address, key and credential; without --model the "
-                   "worker fetches its layers' bytes from the mesh [env: MESHNET_JOIN]")
+                   "worker fetches its layers' bytes from the mesh. Give it in the environment (MESHNET_JOIN=TOKEN, "
+                   "as the printed line does) or with --join-file: on a command line every user of this machine "
+                   "can read it (ps) [env: MESHNET_JOIN]")
+@click.option("--join-file", type=click.File("r"), default=None,
+              help="a file holding the join token (- for standard input), in place of --join")
 @click.option("--discover", is_flag=True,
               help="find the coordinator on the LAN by mDNS (with --join: the one whose key the token names)")
 @click.option("--coordinator", default=None, help="the coordinator's ROUTER address, e.g. tcp://127.0.0.1:5555")
@@ -61,17 +65,27 @@ from meshnet.launch.progress import load_bars
                    "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
                    "most half the CPUs, so no stage beside it computes where it spins; else 0]")
 @prefix_cache_option
-def worker(join_token, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue, data_bind,
-           cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu, numerics,
-           trace, spin_ms, prefix_cache_mib):
+def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue,
+           data_bind, cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu,
+           numerics, trace, spin_ms, prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
+    from meshnet.net.join import MAX_TOKEN_CHARS
     from meshnet.stage.config import WorkerConfig, given
     from meshnet.stage.worker import StageWorker
 
-    layers_given = click.get_current_context().get_parameter_source("layers").name == "COMMANDLINE"
+    context = click.get_current_context()
+    if join_file is not None:
+        if context.get_parameter_source("join_token").name == "COMMANDLINE":
+            raise click.UsageError("give the token once: --join or --join-file")
+        join_token = join_file.read(MAX_TOKEN_CHARS + 1).strip()
+    elif join_token is not None and context.get_parameter_source("join_token").name == "COMMANDLINE":
+        # a bearer credential in argv is in /proc/PID/cmdline, which every local user may read
+        click.echo("WARNING: --join on the command line shows the token to every user of this machine (ps): give it "
+                   "as MESHNET_JOIN=TOKEN or with --join-file FILE", err=True)
+    layers_given = context.get_parameter_source("layers").name == "COMMANDLINE"
     if not layers_given and join_token is None:
-        raise click.UsageError("give --layers A:B or --layers auto (or --join TOKEN, which plans them)")
+        raise click.UsageError("give --layers A:B or --layers auto (or a join token, which plans them)")
     if layers is None and mem is None:
         raise click.UsageError("--layers auto needs --mem: the memory the planner may give this worker")
     if (secret_file is None) != (coordinator_key_file is None):
@@ -79,7 +93,8 @@ def worker(join_token, discover, coordinator, model, layers, mem, threads, n_ctx
     if join_token is not None and secret_file is not None:
         raise click.UsageError("--join carries the keys: drop --secret and --coordinator-key")
     if coordinator is None and join_token is None and not discover:
-        raise click.UsageError("where is the coordinator? give --join TOKEN, --coordinator ADDRESS or --discover")
+        raise click.UsageError("where is the coordinator? give a join token (MESHNET_JOIN or --join-file), "
+                               "--coordinator ADDRESS or --discover")
     refuse_open_without_keys("--data-bind", data_bind, secret_file or join_token, insecure)
     if numerics == "baseline":
         # the engine before the classes turned the tiled matmul off for its whole process
@@ -154,7 +169,7 @@ def coordinator(bind, prompt, max_tokens, wait, as_json, metrics_port, allow_mix
     """Track stage workers and route sessions through them.
 
     Every link is CURVE with keys kept under $MESHNET_HOME/keys, and it prints the line that
-    adds a machine: `meshnet worker --join TOKEN --mem 8G`. Without --prompt it serves until
+    adds a machine: `MESHNET_JOIN=TOKEN meshnet worker --mem 8G`. Without --prompt it serves until
     Ctrl-C, printing each change of the route."""
     import time
 
@@ -274,7 +289,7 @@ def keys_rotate_join():
 @keys.command("join-token")
 @click.option("--address", "addresses", multiple=True,
               help="a control endpoint the token names, e.g. tcp://10.0.0.1:5555 (repeat for several); none: the "
-                   "worker finds the coordinator by mDNS (meshnet worker --join TOKEN --discover)")
+                   "worker finds the coordinator by mDNS (MESHNET_JOIN=TOKEN meshnet worker --discover)")
 @click.option("--mem", default="8G", show_default=True, help="the --mem the printed line suggests")
 def keys_join_token(addresses, mem):
     """Print the join line for this host's coordinator key and the current join key."""
@@ -283,7 +298,7 @@ def keys_join_token(addresses, mem):
 
     try:
         for address in addresses:
-            checks.checked(address, "--address")
+            checks.tcp_peer(address, "--address")
         token = join.make_token(addresses, join.coordinator_keys(), join.JoinKey().pair())
     except MeshnetError as e:
         fail(e)

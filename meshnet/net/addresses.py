@@ -29,6 +29,23 @@ def checked(endpoint: str, what: str) -> str:
     return endpoint
 
 
+def tcp_peer(endpoint: str, what: str) -> str:
+    """ENDPOINT, a tcp://HOST:PORT a peer can be reached at, or MeshnetError(bad_address).
+    What another machine is given to connect to (a join token's addresses) is TCP alone:
+    ipc:// and inproc:// name nothing beyond this host, and libzmq takes a transport it
+    was not built with (udp://, pgm://) only to raise at connect."""
+    scheme, _, rest = str(endpoint).partition("://")
+    if scheme != "tcp":
+        raise MeshnetError(E.BAD_ADDRESS, f"{what} {endpoint!r} is not a TCP address: a coordinator is reached "
+                           "at tcp://HOST:PORT")
+    checked(endpoint, what)
+    port = rest.rpartition(":")[2]
+    if port == "*" or int(port) == 0:
+        raise MeshnetError(E.BAD_ADDRESS, f"{what} {endpoint!r} names no port to connect to: give the one the "
+                           "coordinator listens on")
+    return endpoint
+
+
 def same_host_any_port(endpoint: str) -> str:
     """tcp://host:port -> tcp://host:0: a free port on the same interface (where the
     coordinator's data plane listens beside its control socket)."""

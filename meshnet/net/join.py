@@ -31,6 +31,7 @@ from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
 from meshnet.core.home import meshnet_home
 from meshnet.net import security
+from meshnet.net.addresses import tcp_peer
 from meshnet.net.security import KeyPair
 
 PREFIX = "mnj1-"
@@ -38,6 +39,7 @@ COORDINATOR = "coordinator"   # NAME.key / NAME.key_secret under keys_dir()
 JOIN = "join"
 MAX_TOKEN_CHARS = 4096
 MAX_ADDRESSES = 16
+ENV = "MESHNET_JOIN"          # where `meshnet worker` reads a token from
 
 
 def keys_dir() -> Path:
@@ -121,7 +123,7 @@ class Token:
 
 
 def make_token(addresses, coordinator: KeyPair, join: KeyPair) -> Token:
-    return Token(tuple(addresses), coordinator.public, join.secret)
+    return Token(tuple(tcp_peer(a, "a join token's address") for a in addresses), coordinator.public, join.secret)
 
 
 def _z85_key(value, what: str) -> bytes:
@@ -138,8 +140,6 @@ def _z85_key(value, what: str) -> bytes:
 def parse_token(text: str) -> Token:
     """A token as `meshnet coordinator` printed it; join_refused saying what is wrong
     with anything else. Whether the mesh admits it is the coordinator's to say."""
-    from meshnet.net.addresses import checked
-
     text = (text or "").strip()
     if not text.startswith(PREFIX) or len(text) > MAX_TOKEN_CHARS:
         raise MeshnetError(E.JOIN_REFUSED, f"'{text[:24]}...' is not a meshnet join token (they start with "
@@ -158,10 +158,12 @@ def parse_token(text: str) -> Token:
     for address in addresses:
         if not isinstance(address, str):
             raise MeshnetError(E.JOIN_REFUSED, "the join token's addresses are not a list of endpoints")
-        checked(address, "the join token's address")
+        tcp_peer(address, "the join token's address")
     return Token(tuple(addresses), _z85_key(fields["c"], "coordinator key"), _z85_key(fields["j"], "join key"))
 
 
 def join_line(token: Token, mem: str = "8G") -> str:
-    """What the coordinator prints for the operator of each other machine."""
-    return f"meshnet worker --join {token.encode()} --mem {mem}"
+    """What the coordinator prints for the operator of each other machine: the token in
+    the worker's environment, which only its own user may read, not in its argv, which
+    `ps` shows every user (the shell's assignment puts it in no process's argv)."""
+    return f"{ENV}={token.encode()} meshnet worker --mem {mem}"

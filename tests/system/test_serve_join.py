@@ -1,4 +1,4 @@
-"""`meshnet serve --coordinator ... --mem` on one "machine" and `meshnet worker --join TOKEN`
+"""`meshnet serve --coordinator ... --mem` on one "machine" and `MESHNET_JOIN=TOKEN meshnet worker`
 on another (a MESHNET_HOME of its own, no model file), as the README's two commands: serve
 prints the join line, its own worker takes what --mem holds, the joined worker fetches
 the rest, and a completion through the real OpenAI client is the whole model's."""
@@ -39,9 +39,10 @@ def test_serve_prints_the_join_line_and_a_machine_without_the_model_joins_with_i
     threading.Thread(target=lambda: lines.extend(serve.stderr), daemon=True).start()
     joined = None
     try:
-        assert wait_until(lambda: any(line.startswith("meshnet worker --join ") for line in lines), 120), lines
-        join_line = next(line for line in lines if line.startswith("meshnet worker --join "))
-        assert re.fullmatch(r"meshnet worker --join mnj1-[\w-]+ --mem 8G\n", join_line), join_line
+        assert wait_until(lambda: any(line.startswith("MESHNET_JOIN=") for line in lines), 120), lines
+        join_line = next(line for line in lines if line.startswith("MESHNET_JOIN="))
+        printed = re.fullmatch(r"MESHNET_JOIN=(mnj1-[\w-]+) meshnet (worker --mem 8G)\n", join_line)
+        assert printed, join_line
         urls = lambda: [m for line in lines for m in re.findall(r"on (http://127\.0\.0\.1:\d+)/v1", line)]  # noqa: E731
         assert wait_until(urls, 120), lines
         url = urls()[0]
@@ -55,8 +56,9 @@ def test_serve_prints_the_join_line_and_a_machine_without_the_model_joins_with_i
         assert wait_until(registered, 120), lines
         # the other machine: the printed line, run as it is (its MESHNET_HOME holds no model)
         joined = track(subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli.main", *join_line.split()[1:], "--threads", str(THREADS)],
-            env={**os.environ, "MESHNET_HOME": str(tmp_path / "b")}, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "meshnet.cli.main", *printed.group(2).split(), "--threads", str(THREADS)],
+            env={**os.environ, "MESHNET_HOME": str(tmp_path / "b"), "MESHNET_JOIN": printed.group(1)},
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "b.log", "w"), start_new_session=True))
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 

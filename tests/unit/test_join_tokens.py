@@ -30,7 +30,7 @@ def test_a_token_round_trips_and_its_line_is_the_one_to_run():
     assert text.startswith(join.PREFIX) and " " not in text
     assert join.parse_token(text) == t
     assert join.parse_token(f"  {text}\n") == t   # as pasted
-    assert join.join_line(t, "8G") == f"meshnet worker --join {text} --mem 8G"
+    assert join.join_line(t, "8G") == f"MESHNET_JOIN={text} meshnet worker --mem 8G"   # in no process's argv
     assert join.parse_token(t.without_addresses().encode()).addresses == ()
 
 
@@ -56,6 +56,10 @@ def encoded(fields) -> str:
     ({"a": [], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode(), "x": 1}, "not one this version"),
     ({"a": "tcp://10.0.0.1:5555", "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "addresses"),
     ({"a": ["tcp://10.0.0.1:99999"], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "port"),
+    ({"a": ["udp://10.0.0.1:5555"], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "not a TCP address"),
+    ({"a": ["ipc:///tmp/c.sock"], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "not a TCP address"),
+    ({"a": ["inproc://c"], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "not a TCP address"),
+    ({"a": ["tcp://10.0.0.1:0"], "c": COORDINATOR_KEY.decode(), "j": JOIN_SECRET.decode()}, "no port to connect to"),
     ({"a": [], "c": "short", "j": JOIN_SECRET.decode()}, "coordinator key"),
     ({"a": [], "c": COORDINATOR_KEY.decode(), "j": "~" * 40}, "join key"),
 ])
