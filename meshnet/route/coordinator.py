@@ -198,12 +198,13 @@ class Coordinator:
     def generate(self, prompt_tokens: list[int], max_tokens: int, *, want_logits: bool = False,
                  stop_at_eog: bool = True, prefill_chunk: int | None = None,
                  sampling: Sampling | None = None, speculate: int | None = None,
-                 logprobs: int | None = None) -> SessionHandle:
+                 logprobs: int | None = None, cache_scope: str = "") -> SessionHandle:
         """A new session: its tokens come from the tail, the most likely ones or, with
         sampling, llama.cpp's sampler chain's (seeded: the same on any route). SPECULATE:
         drafts per round at most for this session (None: the coordinator's --speculate).
         LOGPROBS: each token's log-probability and those of this many most likely tokens,
-        in the handle's logprobs (0 to 20; None: none)."""
+        in the handle's logprobs (0 to 20; None: none). CACHE_SCOPE: the session starts from
+        the prefixes kept by sessions of the same scope only, and keeps its own for them."""
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP):
             raise MeshnetError(E.INVALID_ARGUMENT, f"logprobs must be None or a count of 0 to {MAX_TOP}, "
                                f"not {logprobs!r}")
@@ -212,7 +213,8 @@ class Coordinator:
         sampling = None if sampling is None or sampling.greedy else sampling
         sid = next(self._sids)
         events = SessionEvents()
-        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling, speculate, logprobs))
+        self._io.submit(lambda f: self._io.start_session(sid, events, gen, want_logits, sampling, speculate, logprobs,
+                                                         cache_scope))
         return SessionHandle(self, sid, events, list(prompt_tokens))
 
     def cancel(self, sid: int) -> None:

@@ -74,7 +74,8 @@ class Session:
     lost: tuple[MeshnetError, float] | None = None     # the stage lost (LOST): the error, since when
     resume_by: float = 0.0        # ... and until when it may wait
     resumes: list[dict] = field(default_factory=list)  # each resume: stage, replayed_tokens, elapsed_ms
-    salt: str = ""                # what the block keys of its tokens are salted with: the route's class
+    salt: str = ""                # what the block keys of its tokens are salted with: the route's class and scope
+    scope: str = ""               # whose kept prefixes it may start from: its client's (serve's API key, user)
     prefix: list[int] = field(default_factory=list)    # the block keys its route may start it from
     cached: int = 0               # ... the prompt tokens every stage of it restored
     drafts: int = 0               # drafts per round it asks for (0: none)
@@ -113,9 +114,11 @@ class SessionTable:
     # ---- events ------------------------------------------------------------------------
 
     def open(self, sid: int, gen: Generation, want_logits: bool, sampling: Sampling | None = None,
-             speculate: int | None = None, logprobs: int | None = None) -> list[Effect]:
+             speculate: int | None = None, logprobs: int | None = None, scope: str = "") -> list[Effect]:
         """SPECULATE: drafts per round at most (None: the table's). LOGPROBS: each token's
-        log-probability, and those of this many most likely tokens (None: none)."""
+        log-probability, and those of this many most likely tokens (None: none). SCOPE:
+        only the prefixes of sessions of this scope are reused, so that a client's cached
+        tokens never show it what another's prompts began with."""
         try:
             route = self.route_for(None)
         except MeshnetError as e:
@@ -131,7 +134,7 @@ class SessionTable:
         gen.bound_chunks(min(w.capability.n_batch for w in route), fixed=numerics_class == numerics.STOCK)
         session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class,
                                                drafts=self.speculate if speculate is None else speculate,
-                                               logprobs=logprobs)
+                                               logprobs=logprobs, scope=scope)
         self._open_route(session, route)
         return self._effects()
 
@@ -325,7 +328,7 @@ class SessionTable:
         # prefix reuse is exact only where a row's KV is the same however the prompt was
         # cut into calls: the invariant class
         reuse = session.numerics == numerics.INVARIANT
-        session.salt = str(compat_class_of(route[0].capability)) if reuse else ""
+        session.salt = f"{compat_class_of(route[0].capability)}\0{session.scope}" if reuse else ""
         session.prefix = reusable_keys(gen.prompt, session.salt) if reuse else []
         session.cached = len(gen.prompt)
         # speculation is exact where a row's logits do not depend on the rows beside it;

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hashlib
+import json
 import secrets
 import threading
 import time
@@ -92,7 +94,7 @@ class Session:
     coordinator has ended the session."""
 
     def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Slots,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, scope: str = ""):
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.lock = threading.Lock()
@@ -102,7 +104,7 @@ class Session:
         self._get: asyncio.Future | None = None
         self._check_at = time.monotonic() + DISCONNECT_POLL_S
         slots.hold(self)
-        threading.Thread(target=self._run, args=(coordinator, tokens, max_tokens, sampling, logprobs, slots),
+        threading.Thread(target=self._run, args=(coordinator, tokens, max_tokens, sampling, logprobs, scope, slots),
                          name="meshnet-serve-session", daemon=True).start()
 
     def _put(self, kind: str, value) -> None:
@@ -111,12 +113,13 @@ class Session:
         except RuntimeError:
             pass   # the server has stopped: nobody listens
 
-    def _run(self, coordinator, tokens, max_tokens, sampling, logprobs, slots) -> None:
+    def _run(self, coordinator, tokens, max_tokens, sampling, logprobs, scope, slots) -> None:
         final = ("error", MeshnetError(errors.CANCELLED, "the request was cancelled"))
         try:
             with self.lock:
                 if not self.cancelled:
-                    self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling, logprobs=logprobs)
+                    self.handle = coordinator.generate(tokens, max_tokens, sampling=sampling, logprobs=logprobs,
+                                                       cache_scope=scope)
             if self.handle is not None:
                 for event in self.handle:
                     self._put("token", event)
@@ -260,7 +263,7 @@ class Completions:
         logprobs = body.logprobs_asked()
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stops += plan.stops if plan is not None else []
-        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs)
+        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs, cache_scope(request, body))
         try:   # the session's first event: an error before it is the request's status
             first = await session.next(request)
         except ClientGone:
@@ -296,7 +299,7 @@ class Completions:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _open(self, chat: bool, tokens_of, max_tokens: int | None, sampling: Sampling | None,
-                    logprobs: int | None) -> tuple[Session, list[int]]:
+                    logprobs: int | None, scope: str) -> tuple[Session, list[int]]:
         """A slot and a session for the prompt; ApiError when either cannot be had."""
         n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
         if not self.slots.take(n_slots):
@@ -316,10 +319,21 @@ class Completions:
                 raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
                                code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
             return Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots,
-                           logprobs), tokens
+                           logprobs, scope), tokens
         except BaseException:
             self.slots.give()
             raise
+
+
+def cache_scope(request: Request, body) -> str:
+    """Whose kept prefixes a request may start from: those of requests with the same API
+    key (the one sent, whether or not the server checks keys) and the same prompt_cache_key,
+    or without one the same user. A prefix reused shows in cached_tokens, so a scope any
+    client could share would let it learn, block by block, what another's prompts begin with."""
+    _, _, key = request.headers.get("authorization", "").partition(" ")
+    named = ["prompt_cache_key", body.prompt_cache_key] if body.prompt_cache_key is not None else ["user", body.user]
+    # a digest: the key itself goes no further than this server's HTTP layer
+    return hashlib.blake2b(json.dumps([key.strip(), *named]).encode(), digest_size=16).hexdigest()
 
 
 def _usage(tokens: list[int], answer: Answer) -> dict:

@@ -39,7 +39,7 @@ OFF_VALUES = {
     "functions": (None, []), "function_call": (None, "none"), "store": (None, False), "metadata": (None, {}),
     "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
-    "prompt_cache_key": (None,), "safety_identifier": (None,),
+    "safety_identifier": (None,),
 }
 
 
@@ -146,7 +146,8 @@ class _Request(_Body):
     n: int | None = 1         # (null is what some clients send for "the default")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None   # an end user's id, for OpenAI's abuse monitoring: taken, without effect
+    user: str | None = None   # an end user's id: the prefix cache's scope (completions.cache_scope)
+    prompt_cache_key: str | None = None   # a prefix cache scope named by the client, in place of user's
     response_format: ResponseFormat | None = None   # structured output (serve/structured.py)
     grammar: str | None = None   # llama-server's field: the answer follows this GBNF
 

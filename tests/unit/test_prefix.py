@@ -130,11 +130,22 @@ def test_a_completed_session_asks_its_stages_to_keep_the_blocks_of_the_tokens_it
     mesh.token(0, len(PROMPT), 100)
     effects = mesh.token(len(PROMPT), 1, 101)
     keep = [e.fields.get("keep") for e in of(effects, Request) if e.kind is RequestKind.RELEASE]
-    assert keep[0] == keep[1] == block_keys(list(PROMPT) + [100], str(compat_class_of(mesh.head.capability)))
+    assert keep[0] == keep[1] == block_keys(list(PROMPT) + [100], f"{compat_class_of(mesh.head.capability)}\0")
     mesh.table.open(2, Generation(list(PROMPT), StopRule(2), 64, tail_feeds_head=True), want_logits=False)
     mesh.confirm(2)
     effects = mesh.table.cancel(2)
     assert all("keep" not in e.fields for e in of(effects, Request))
+
+
+def test_sessions_of_other_scopes_name_the_same_prompt_by_other_keys(mesh):
+    def named(sid, scope):
+        effects = mesh.table.open(sid, Generation(list(PROMPT), StopRule(2), 64, tail_feeds_head=True),
+                                  want_logits=False, scope=scope)
+        return next(e.fields["prefix"] for e in of(effects, Request))
+    alice = named(1, "alice")
+    assert len(alice) == 3 and named(2, "alice") == alice   # one client's sessions find what it kept
+    assert not set(named(3, "mallory")) & set(alice)          # another's never do, not even the first block
+    assert not set(named(4, "")) & set(alice)
 
 
 def test_the_stock_class_reuses_no_prefix():
