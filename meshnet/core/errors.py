@@ -79,6 +79,8 @@ INVALID_ARGUMENT = _code("invalid_argument", 5, "an argument the operation canno
                          http=400, engine=1)
 TOO_MANY_SESSIONS = _code("too_many_sessions", 5, "a stage already holds as many sessions as it was opened for",
                           http=429, engine=10)
+TOO_MANY_STREAMS = _code("too_many_streams", 5, "a server already holds as many console event streams open as it "
+                         "allows (meshnet/serve/console.py)", http=429)
 UNKNOWN_SESSION = _code("unknown_session", 5, "a session id the stage does not hold", engine=9)
 CANCELLED = _code("cancelled", 5, "the session was cancelled by its caller")
 BAD_PAYLOAD = _code("bad_payload", 5, "a payload (residual, logits, token ids) that is missing, mis-sized or not finite",

@@ -17,12 +17,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.serve.openai import ApiError
 
 PAGE_DIR = Path(__file__).with_name("console")
 PAGE_FILES = {"console.js": "text/javascript", "console.css": "text/css"}
 EVERY_S = 1.0   # the events' period
+# event streams one server holds open at once: each is a connection held and a wake-up
+# every 0.1 s, so without a bound any holder of the key could slow every request down
+# (1,100 streams took an answer's first token from 0.08 s to 1.7 s). A few browsers'
+# tabs are far below it.
+MAX_FEEDS = 32
 
 
 def state(coordinator, model: str, slots) -> dict:
@@ -54,14 +60,49 @@ def state(coordinator, model: str, slots) -> dict:
 
 
 class Feeds:
-    """The event feeds open; stop() ends them all (the server is stopping: a console left
-    open must not hold its shutdown)."""
+    """The event feeds open, at most LIMIT; stop() ends them all (the server is stopping: a
+    console left open must not hold its shutdown). They share one state a period, so that
+    what the coordinator is asked does not grow with the feeds."""
 
-    def __init__(self):
+    def __init__(self, limit: int = MAX_FEEDS):
         self.stopped = False
+        self.limit = limit
+        self.open = 0   # (counted on the event loop's thread alone: no lock)
+        self._latest: tuple[float, asyncio.Future] | None = None
 
     def stop(self) -> None:
         self.stopped = True
+
+    def take(self) -> None:
+        if self.open >= self.limit:
+            raise ApiError(429, f"this server already streams /console/events to {self.limit} consoles, the most "
+                           "it holds open: close one, or use /console/state", code=errors.TOO_MANY_STREAMS)
+        self.open += 1
+
+    def give(self) -> None:
+        self.open -= 1
+
+    async def state(self, coordinator, model: str, slots) -> dict:
+        """The state, made at most once a period however many feeds ask for it."""
+        at = time.monotonic()
+        if self._latest is None or at - self._latest[0] >= EVERY_S / 2:
+            self._latest = (at, asyncio.ensure_future(run_in_threadpool(state, coordinator, model, slots)))
+        return await asyncio.shield(self._latest[1])   # a feed that goes away leaves it to the others
+
+
+class FeedResponse(StreamingResponse):
+    """An event feed that gives its place back however its response ends: a generator's own
+    cleanup never runs for a client gone before the first event."""
+
+    def __init__(self, feeds: Feeds, body):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.feeds = feeds
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.feeds.give()
 
 
 def routes(coordinator, model: str, slots, authorize, feeds: Feeds) -> tuple[APIRouter, APIRouter]:
@@ -86,12 +127,13 @@ def routes(coordinator, model: str, slots, authorize, feeds: Feeds) -> tuple[API
     async def events(request: Request):
         async def feed():
             while not feeds.stopped and not await request.is_disconnected():
-                now = await run_in_threadpool(state, coordinator, model, slots)
+                now = await feeds.state(coordinator, model, slots)
                 yield f"data: {json.dumps(now, separators=(',', ':'))}\n\n"
                 for _ in range(int(EVERY_S / 0.1)):   # (a stop is seen within 0.1 s)
                     if feeds.stopped:
                         return
                     await asyncio.sleep(0.1)
-        return StreamingResponse(feed(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        feeds.take()
+        return FeedResponse(feeds, feed())
 
     return page, data
