@@ -1,5 +1,6 @@
 """ACCEPTANCE C.3 (for now: run and inspect): the command line a user types."""
 
+import fcntl
 import json
 import os
 import signal
@@ -91,6 +92,10 @@ def test_ctrl_c_during_run_leaves_no_worker_processes(smollm2_path):
     prompt = "Count from one to one thousand: one, two, three,"
     run = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--max-tokens", "1500", "--ctx", "2048",
                             "--prompt", prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # its output into a pipe of one page (1500 tokens are more): once this test stops reading,
+    # the run waits to write, so it cannot end on its own before the interrupt, however late
+    # the interrupt comes
+    fcntl.fcntl(run.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
     children = []
     try:
         deadline = time.monotonic() + 60
@@ -106,8 +111,10 @@ def test_ctrl_c_during_run_leaves_no_worker_processes(smollm2_path):
             out += chunk
         assert all(alive(pid) for pid in children) and run.poll() is None  # so the interrupt is what ends them
         run.send_signal(signal.SIGINT)
-        assert run.wait(timeout=30) != 0
-        assert "Traceback" not in run.stderr.read().decode()
+        rest, err = run.communicate(timeout=30)   # (read: what it had still to write must not hold it)
+        assert run.returncode != 0 and "Aborted!" in err.decode(), err.decode()[-2000:]
+        assert "tokens (length)" not in err.decode()   # interrupted: it never came to its summary of 1500 tokens
+        assert "Traceback" not in err.decode()
         deadline = time.monotonic() + 5
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.05)
