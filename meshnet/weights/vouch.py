@@ -172,6 +172,8 @@ class Voucher:
             self._refused[holder.endpoint] = str(why)
 
     def _progress(self, done: int, total: int) -> None:
+        if self._stop.is_set():   # a coordinator that closes does not wait for the rest of a file
+            raise HolderFailed("the coordinator is closing")
         with self._lock:
             self._checking = (done, total)
 
