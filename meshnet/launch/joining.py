@@ -21,7 +21,7 @@ from meshnet.weights.fetch import Fetch, MeshModel, holders_of
 from meshnet.weights.holder import Holder
 
 DISCOVER_S = 10.0   # how long a worker looks for its coordinator on the LAN
-PROBE_S = 3.0       # ... and tries each address a token names, when it names several
+PROBE_S = 3.0       # ... and waits on the addresses a token names, when it names several
 ANSWER_S = 15.0     # ... or the one it names
 # how long a worker without the file waits for a holder the coordinator vouches for (a
 # holder that joins at the same moment, or a coordinator hashing a holder's copy: the wait
@@ -43,18 +43,9 @@ class Joined:
 def ask_first(endpoints, keys: KeyPair | None, coordinator_key: bytes | None):
     """The first of ENDPOINTS whose coordinator answers HOLDERS, and its answer (a token
     names each address of the coordinator's host; some are on networks this machine is
-    not on). A refused token is final; silence tries the next address."""
-    last = None
-    for endpoint in endpoints:
-        try:
-            return endpoint, holders_of(endpoint, keys, coordinator_key,
-                                        timeout=PROBE_S if len(endpoints) > 1 else ANSWER_S)
-        except MeshnetError as e:
-            if e.code != E.UNREACHABLE:
-                raise
-            last = e
-    raise MeshnetError(E.UNREACHABLE, f"no coordinator answered at {', '.join(endpoints)}") if len(endpoints) > 1 \
-        else last
+    not on): all asked at once (join.first_answer). A refused token is final."""
+    timeout = PROBE_S if len(endpoints) > 1 else ANSWER_S
+    return join.first_answer(endpoints, lambda endpoint: holders_of(endpoint, keys, coordinator_key, timeout=timeout))
 
 
 def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, model: str | None, data_bind: str,

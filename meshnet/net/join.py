@@ -20,9 +20,12 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import queue
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import msgpack
 import zmq
@@ -160,6 +163,39 @@ def parse_token(text: str) -> Token:
             raise MeshnetError(E.JOIN_REFUSED, "the join token's addresses are not a list of endpoints")
         tcp_peer(address, "the join token's address")
     return Token(tuple(addresses), _z85_key(fields["c"], "coordinator key"), _z85_key(fields["j"], "join key"))
+
+
+Answer = TypeVar("Answer")
+
+
+def first_answer(endpoints, ask: Callable[[str], Answer]) -> tuple[str, Answer]:
+    """(endpoint, ASK(endpoint)) of the first of ENDPOINTS to answer, all asked at once: a
+    token names each address of the coordinator's host, and those on networks this machine
+    is not on answer nothing, so asked one after another 16 dead addresses cost 16 silences.
+    Silence (UNREACHABLE) waits for the others; any other outcome decides (a refused token
+    is refused at every address). With none answering, UNREACHABLE naming them all."""
+    endpoints = list(endpoints)
+    outcomes: queue.Queue = queue.Queue()
+
+    def one(endpoint: str) -> None:
+        try:
+            outcomes.put((endpoint, ask(endpoint), None))
+        except Exception as e:   # (handed to the caller's thread, which raises it)
+            outcomes.put((endpoint, None, e))
+    for endpoint in endpoints:
+        # daemons: those still waiting once one answered end at their own timeout, unwaited
+        threading.Thread(target=one, args=(endpoint,), name="meshnet-join-probe", daemon=True).start()
+    silent = None
+    for _ in endpoints:
+        endpoint, answer, error = outcomes.get()
+        if error is None:
+            return endpoint, answer
+        if not (isinstance(error, MeshnetError) and error.code == E.UNREACHABLE):
+            raise error
+        silent = error
+    if len(endpoints) == 1:
+        raise silent
+    raise MeshnetError(E.UNREACHABLE, f"no coordinator answered at {', '.join(endpoints)}")
 
 
 def join_line(token: Token, mem: str = "8G") -> str:

@@ -4,7 +4,8 @@ its own) and real `meshnet worker`s. The join line it prints puts the token in t
 worker's environment, and run as printed (or with --join-file) no process has the token
 in its command line, which `ps` shows every user; --join on a command line says so. A
 token's addresses are tcp:// only: anything else is a bad_address at once, when the
-token is made and when it is read."""
+token is made and when it is read. A token's addresses are tried all at once, so dead
+ones cost one silence, not one each."""
 
 import os
 import re
@@ -12,17 +13,20 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
 import zmq.utils.z85
 
 from meshnet.net import join
+from meshnet.net.join import MAX_ADDRESSES
 
 from conftest import MARK, TEST_MODELS, THREADS, marked, run_bounded, stop_group, track
 from peers import free_port, wait_until
 
 MODEL = os.path.join(TEST_MODELS, "llama-dense.gguf")   # a generated model of 4 layers (make test-models)
+PROBE_S = 3.0    # how long a worker waits on each address of a token naming several (launch/joining.py)
 WAIT_S = 60.0    # a loaded 2-core machine's bound for a process to start and say what it does
 
 
@@ -176,3 +180,37 @@ def test_a_worker_refuses_a_token_naming_an_address_that_is_not_a_tcp_host_and_p
     assert run.returncode == 2, run.stderr
     assert f"error: [bad_address] the join token's address {address!r}" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def dead_addresses(n: int) -> list[str]:
+    """N loopback addresses where nothing listens: a connection to each is refused, and a
+    ZeroMQ peer there never answers."""
+    return [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+
+
+def test_a_token_s_addresses_are_tried_at_once_so_dead_ones_cost_one_silence(coordinator, tmp_path):
+    real = join.parse_token(coordinator.join_line.split()[0].split("=", 1)[1])
+    # the most a token names, the live one last: one after another, it would be tried 45 s in
+    many = join.Token((*dead_addresses(MAX_ADDRESSES - 1), coordinator.address), real.coordinator_key,
+                      real.join_secret)
+    log = tmp_path / "b.log"
+    before = coordinator.routes()
+    started = time.monotonic()
+    process, _ = start([sys.executable, "-m", "meshnet.cli.main", "worker", *WORKER_ARGS], log,
+                       MESHNET_HOME=str(tmp_path / "b"), MESHNET_JOIN=many.encode())
+    try:
+        # it loads its layers once it found the coordinator: before the dead addresses in turn could have gone by
+        serial = (MAX_ADDRESSES - 1) * PROBE_S
+        assert wait_until(lambda: "loading layers" in log.read_text() or process.poll() is not None, serial)
+        assert "loading layers" in log.read_text(), (time.monotonic() - started, log.read_text())
+        joined(coordinator, before, process, log)
+    finally:
+        stop_group(process)
+
+    # none alive: the worker says so after one silence, not sixteen (48 s)
+    dead = join.Token(tuple(dead_addresses(MAX_ADDRESSES)), real.coordinator_key, real.join_secret)
+    run = run_bounded([sys.executable, "-m", "meshnet.cli.main", "worker", *WORKER_ARGS],
+                      timeout=(MAX_ADDRESSES - 1) * PROBE_S,
+                      env=env_with(MESHNET_HOME=str(tmp_path / "c"), MESHNET_JOIN=dead.encode()))
+    assert run.returncode == 4 and "error: [unreachable] no coordinator answered at" in run.stderr, run.stderr
+    assert all(address in run.stderr for address in dead.addresses)
