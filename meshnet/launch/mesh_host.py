@@ -5,6 +5,7 @@ announcement (net/discovery.py), and the join token and line it prints."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -14,6 +15,7 @@ from meshnet.net import discovery, join, protocol
 from meshnet.net.addresses import same_host_any_port
 from meshnet.net.security import KeyPair, is_loopback
 from meshnet.weights.holder import Holder
+from meshnet.weights.vouch import Voucher
 
 log = logging.getLogger("meshnet.launch.mesh_host")
 
@@ -68,8 +70,10 @@ class MeshHost:
         options = {}
         if self.secure:
             options.update(keys=self.keys, allowed_workers=frozenset(allowed or ()), join_key=self.join_key.public)
-        if self.holder is not None:
-            options.update(model_sha256=self.model_sha256, holder=(self.holder.endpoint, self.holder.public_key))
+        # the coordinator's answer to HOLDERS: this host's holder, when it has the file, and
+        # every worker that joined with it
+        own = (self.holder.endpoint, self.holder.public_key) if self.holder is not None else None
+        options["holders"] = functools.partial(Voucher, options.get("keys"), self.model_sha256 if own else None, own)
         return options
 
     def started(self, endpoint: str, announce: bool = True) -> None:

@@ -4,7 +4,7 @@ and the tests build it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from meshnet.core.planner import OVERHEAD
 from meshnet.net import addresses
@@ -33,10 +33,10 @@ class CoordinatorConfig:
     # the join key's public half as it is now (net/join.py JoinKey.public), asked at each
     # handshake: a worker with a join token is admitted, and a rotated key no longer is
     join_key: Callable[[], bytes | None] | None = None
-    # the model's bytes served on this host (weights/holder.py): its sha256 and the holder's
-    # endpoint and public key, which a worker without the file asks for (HOLDERS)
-    model_sha256: str | None = None
-    holder: tuple[str, str | None] | None = None
+    # makes what answers HOLDERS, the manifest the coordinator vouches for and the holders
+    # that answer (weights/vouch.py's Voucher, given by the launch layer: what a model file
+    # holds is not the route's to know); None: it lists no holder and vouches for nothing
+    holders: Callable[[], Any] | None = None
     # a session that loses a stage is replayed on a new route when one exists, or
     # appears within resume_wait seconds; at most max_resumes times (None: 0)
     resume_wait: float | None = 0.0

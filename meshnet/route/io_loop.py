@@ -34,7 +34,6 @@ from meshnet.route.events import Emit, Leave, Push, Request, TokenEvent
 from meshnet.route.listener import Listener, peer_key
 from meshnet.route.sessions import SessionTable
 from meshnet.route.standby import plan_standby
-from meshnet.weights.vouch import Voucher
 
 log = logging.getLogger("meshnet.route.coordinator")
 MAX_FRAMES = 3                 # a peer's identity, a header and at most one payload
@@ -55,7 +54,7 @@ class IOLoop:
                                   resume_wait=config.resume_wait, max_resumes=config.max_resumes,
                                   speculate=config.speculate, counters=self.counters)
         self.callers: dict[int, queue.Queue] = {}
-        self.voucher = Voucher(config.keys, config.model_sha256, config.holder)
+        self.voucher = config.holders() if config.holders is not None else None
         self.timeline = Timeline("coordinator") if config.trace else None
         self._refusals_logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._commands: queue.Queue = queue.Queue()
@@ -83,7 +82,8 @@ class IOLoop:
         self._running = False
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
-        self.voucher.close()
+        if self.voucher is not None:
+            self.voucher.close()
         self.sockets.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -292,7 +292,7 @@ class IOLoop:
             # asked before a worker registers: it has no model file yet, only a token
             info, manifest = self.voucher.answer(identity, [
                 (w.capability.weights, w.public_key, w.capability.model_sha256) for w in self.registry.all()
-                if w.capability.weights])
+                if w.capability.weights]) if self.voucher is not None else ({"model_sha256": None, "holders": []}, None)
             self._send(identity, P.encode(P.OK, msg.rid, manifest, info=info))
         elif worker is None:
             if msg.type in (P.HEARTBEAT, P.OK, P.ERROR):
