@@ -17,8 +17,12 @@ from meshnet.core import errors
 from meshnet.core.conversation import answer_sampling, fit, prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
+from meshnet.launch.supervisor import SUPERVISED_RESUME_WAIT
 
 SETTLE_S = 10.0          # how long a cancelled session may take to say it has ended
+# how long a chat waits for its route to be whole again before it ends: a local worker
+# that died is started again (launch/supervisor.py), in a second or two
+ROUTE_BACK_S = SUPERVISED_RESUME_WAIT
 
 
 class Chat:
@@ -73,7 +77,8 @@ class Chat:
 
     def _route_gone(self) -> bool:
         try:
-            return not self.coordinator.route_report()["route"]
+            self.coordinator.wait_for_route(ROUTE_BACK_S)
+            return False
         except MeshnetError:
             return True
 
