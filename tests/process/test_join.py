@@ -68,9 +68,11 @@ class Mesh:
         home.mkdir(exist_ok=True)
         self.logs[name] = home / "stderr.log"
         return track(subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli.main", "worker", "--join", token or self.token(),
+            [sys.executable, "-m", "meshnet.cli.main", "worker",
              "--threads", str(THREADS), "--ctx", "256", "--max-sessions", "2", *args],
-            env={**os.environ, "MESHNET_HOME": str(home), **(env or {})}, stdin=subprocess.DEVNULL,
+            # the token as the join line gives it: in the environment, not on the command line
+            env={**os.environ, "MESHNET_HOME": str(home), "MESHNET_JOIN": token or self.token(), **(env or {})},
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(self.logs[name], "w"), start_new_session=True))
 
     def log(self, name: str) -> str:
