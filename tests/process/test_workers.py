@@ -232,10 +232,11 @@ def test_a_lost_stage_is_a_structured_error_within_3_s_the_survivors_free_the_kv
 def test_a_long_prefill_on_a_busy_worker_is_not_declared_dead(smollm2_path, reference):
     long_tokens = (reference[LONG_PROMPT][0] * 5)[:1000]
     # the whole prompt in one forward call: seconds of compute, far past the liveness window
-    with cluster(smollm2_path, HALVES, prefill_chunk=1024, heartbeat_interval=0.1, heartbeat_liveness=5) as c:
+    # (1 s: a loaded 2-core machine may hold a loading worker's answer past half a second)
+    with cluster(smollm2_path, HALVES, prefill_chunk=1024, heartbeat_interval=0.1, heartbeat_liveness=10) as c:
         session = c.coordinator.generate(long_tokens, 4, stop_at_eog=False).result()
         assert len(session.tokens) == 4
-        assert session.metrics["ttft_ms"] > 500  # it really was longer than the 0.5 s liveness window
+        assert session.metrics["ttft_ms"] > 1000  # it really was longer than the 1 s liveness window
         assert c.coordinator.counters()["workers_lost"] == 0
 
 
