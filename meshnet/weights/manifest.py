@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import struct
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +34,10 @@ READ_CHUNK = 1 << 22
 # a bound on the file a manifest describes: above the largest GGUF there is (about 1.5 TiB),
 # far below the sizes at which a sparse file of that length is refused or costs metadata
 MAX_FILE_BYTES = 1 << 42
+# a GGUF header: the largest vocabularies and merge lists take under 20 MiB. The coordinator
+# holds a holder's header in memory before its bytes are proven the model's, and every
+# worker fetches it whole
+MAX_HEADER_BYTES = 64 << 20
 MAX_NAME = 512               # a tensor's name (GGUF's own limit is 64)
 MAX_WIRE_BYTES = 32 << 20    # a manifest of MAX_TENSORS spans fits
 
@@ -79,11 +84,9 @@ class Manifest:
             if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
                 raise ValueError("tensors")
             manifest = cls(sha256=_hex(body["sha256"]), file_bytes=_count(body["file_bytes"]),
-                           filename=_filename(body["filename"]), n_layer=_count(body["n_layer"]),
+                           filename=_text(body["filename"]), n_layer=_count(body["n_layer"]),
                            tied_embeddings=bool(body["tied_embeddings"]), header=_span(body["header"]),
                            tensors=tuple(_span(t) for t in tensors))
-        except _Refused as e:
-            raise MeshnetError(E.FETCH_FAILED, f"the manifest is refused: {e}") from None
         except (ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData, msgpack.FormatError,
                 msgpack.StackError):
             raise MeshnetError(E.FETCH_FAILED, "a manifest this version of meshnet cannot read") from None
@@ -91,18 +94,30 @@ class Manifest:
         return manifest
 
     def check(self) -> None:
-        """The rules that bound what a fetch of this manifest writes: every span inside the
-        file, the header at its start, the tensors after it in order, none overlapping
-        another (so no byte is fetched twice and the spans sum to at most the file), each
-        name once."""
+        """The rules that bound what a fetch of this manifest writes and prints: every span
+        inside the file, the header at its start and within a GGUF header's bound, at most
+        MAX_TENSORS tensors after it in order, none overlapping another (so no byte is
+        fetched twice and the spans sum to at most the file), each name once and plain
+        printable text, the file name a plain file name. The coordinator checks what it
+        vouches for by these rules, as every worker checks what it is sent."""
         def refused(why: str):
             return MeshnetError(E.FETCH_FAILED, f"the manifest is refused: {why}")
         if self.file_bytes > MAX_FILE_BYTES:
             raise refused(f"a file of {self.file_bytes} bytes is over the {MAX_FILE_BYTES}-byte bound")
+        if not _plain_filename(self.filename):
+            raise refused("its file name is not a plain printable file name")
         if self.header.name != HEADER or self.header.offset != 0:
             raise refused("its first span is not the GGUF header at offset 0")
+        if self.header.size > MAX_HEADER_BYTES:
+            raise refused(f"a header of {self.header.size} bytes is over the {MAX_HEADER_BYTES}-byte bound of a GGUF "
+                          "header")
+        if len(self.tensors) > MAX_TENSORS:
+            raise refused(f"{len(self.tensors)} tensors are over the bound of {MAX_TENSORS}")
         end, names = 0, set()
         for span in (self.header, *self.tensors):
+            # printed in a failure's reason: plain printable text only
+            if not 0 < len(span.name) <= MAX_NAME or not span.name.isprintable():
+                raise refused(f"a tensor name is not 1 to {MAX_NAME} printable characters")
             if span.offset < end:
                 raise refused(f"{span.name!r} overlaps the span before it or is out of order")
             end = span.offset + span.size
@@ -111,10 +126,6 @@ class Manifest:
             if span.name in names:
                 raise refused(f"{span.name!r} is named twice")
             names.add(span.name)
-
-
-class _Refused(ValueError):
-    """A field of a manifest that is readable and refused: the reason names the rule."""
 
 
 def _hex(value) -> str:
@@ -129,21 +140,22 @@ def _count(value) -> int:
     return value
 
 
-def _filename(value) -> str:
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError("text")
+    return value
+
+
+def _plain_filename(value: str) -> bool:
     # it names a file under MESHNET_HOME and is printed: a path in it would write elsewhere,
     # and a control character (an escape, a newline) would forge what the terminal shows
-    if not isinstance(value, str) or not value or not value.isprintable() or "/" in value or "\\" in value \
-            or value.startswith(".") or len(value) > 255:
-        raise _Refused("its file name is not a plain printable file name")
-    return value
+    return bool(value) and value.isprintable() and "/" not in value and "\\" not in value \
+        and not value.startswith(".") and len(value) <= 255
 
 
 def _span(value) -> Span:
     name, offset, size, sha = value
-    # printed in a failure's reason: plain printable text only
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
-        raise _Refused(f"a tensor name is not 1 to {MAX_NAME} printable characters")
-    return Span(name, _count(offset), _count(size), _hex(sha))
+    return Span(_text(name), _count(offset), _count(size), _hex(sha))
 
 
 def _sha256_of_range(fd: int, offset: int, size: int) -> str:
@@ -169,17 +181,164 @@ class Layout:
 
 
 def layout(path: str | Path) -> Layout:
-    """The layout of the GGUF at PATH, read from its header alone (a sparse file whose
-    header is there and whose data are holes reads the same)."""
-    import gguf
+    """The layout of the GGUF at PATH, read from its header (layout_of)."""
+    with open(path, "rb") as f:
+        return layout_of(f.read(MAX_HEADER_BYTES), os.fstat(f.fileno()).st_size)
 
-    reader = gguf.GGUFReader(str(path))
-    tensors = sorted(((t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors), key=lambda t: t[1])
-    arch = reader.fields["general.architecture"].contents()
-    return Layout(data_start=tensors[0][1] if tensors else Path(path).stat().st_size,
-                  n_layer=int(reader.fields[f"{arch}.block_count"].contents()),
-                  tied_embeddings=not any(name.startswith("output.") for name, _, _ in tensors),
-                  tensors=tuple(tensors))
+
+def layout_of(header, file_bytes: int) -> Layout:
+    """The layout of a GGUF of FILE_BYTES bytes, from the bytes of its HEADER alone (what
+    the gguf package's reader finds in the file); NOT_GGUF when they are not a GGUF header
+    (version 2 or 3, little-endian) whose every count and length lies inside them.
+
+    The coordinator reads a holder's header with it before the whole file's hash proves it
+    the model's, so what it costs is bounded by the header's bytes: nothing is kept but
+    the architecture, the block count, the alignment and the tensors (at most MAX_TENSORS,
+    refused before one is read), and an array of strings is stepped over, never built. (The
+    gguf package's reader makes objects for each value: a header of a million empty strings
+    took it 22 s and 1.5 GiB.)"""
+    return _Header(memoryview(header)).layout(file_bytes)
+
+
+# GGUF's value types (gguf.GGUFValueType): the bytes of each fixed-size one, and how an integer one reads
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_INTEGER = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+_MAX_NESTING = 4      # arrays of arrays: GGUF's writers make none deeper than two
+_MAX_DIMS = 4         # GGML_MAX_DIMS: llama.cpp loads no tensor of more
+_BLOCK_COUNTS = 16    # "ARCH.block_count" keys kept before the architecture is known (a model has one)
+_MAX_KV = 1 << 16     # metadata keys: a model has a few dozen
+_U64 = struct.Struct("<Q")
+
+
+def _not_gguf(why: str) -> MeshnetError:
+    return MeshnetError(E.NOT_GGUF, f"not a GGUF header: {why}")
+
+
+class _Header:
+    """A GGUF header read front to back; each read lies inside the bytes or is NOT_GGUF."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.at = data, 0
+
+    def _take(self, n: int) -> int:
+        start = self.at
+        if start + n > len(self.data):
+            raise _not_gguf(f"a value runs past the header's {len(self.data)} bytes (it is cut short, or a count "
+                            "or a length in it is false)")
+        self.at = start + n
+        return start
+
+    def _read(self, fmt: str) -> int:
+        return struct.unpack_from(fmt, self.data, self._take(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> memoryview:
+        n = self._read("<Q")
+        start = self._take(n)
+        return self.data[start:start + n]
+
+    def _text(self, what: str) -> str:
+        try:
+            return str(self._string(), "utf-8")
+        except UnicodeDecodeError:
+            raise _not_gguf(f"{what} is not UTF-8") from None
+
+    def _skip(self, vtype: int, depth: int = 0) -> None:
+        if vtype in _SCALAR_BYTES:
+            self._take(_SCALAR_BYTES[vtype])
+        elif vtype == _STRING:
+            self._take(self._read("<Q"))
+        elif vtype == _ARRAY and depth < _MAX_NESTING:
+            itype, count = self._read("<I"), self._read("<Q")
+            if itype in _SCALAR_BYTES:
+                self._take(count * _SCALAR_BYTES[itype])
+            elif itype == _STRING:
+                self._skip_strings(count)
+            else:
+                for _ in range(count):   # each takes 12 bytes at least: the header's end ends a false count
+                    self._skip(itype, depth + 1)
+        elif vtype == _ARRAY:
+            raise _not_gguf(f"arrays nested deeper than {_MAX_NESTING}")
+        else:
+            raise _not_gguf(f"a value of unknown type {vtype}")
+
+    def _skip_strings(self, count: int) -> None:
+        # the one loop a header's bytes can make long (8 bytes a string): kept to a step each
+        data, at, end, unpack = self.data, self.at, len(self.data), _U64.unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                break
+            at += 8 + unpack(data, at)[0]
+        else:
+            if at <= end:
+                self.at = at
+                return
+        raise _not_gguf("an array of strings runs past the header's end")
+
+    def layout(self, file_bytes: int) -> Layout:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        if bytes(self.data[:4]) != b"GGUF":
+            raise _not_gguf("no GGUF magic")
+        self._take(4)
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise _not_gguf(f"version {version} (2 and 3 are read, little-endian)")
+        n_tensors, n_kv = self._read("<Q"), self._read("<Q")
+        if n_tensors > MAX_TENSORS:
+            raise _not_gguf(f"it claims {n_tensors} tensors, over the bound of {MAX_TENSORS}")
+        if n_kv > _MAX_KV:
+            raise _not_gguf(f"it claims {n_kv} metadata keys, over the bound of {_MAX_KV}")
+        arch, alignment, block_counts = None, 32, {}
+        for _ in range(n_kv):
+            key = self._string()
+            vtype = self._read("<I")
+            if key == b"general.architecture" and vtype == _STRING:
+                if arch is not None:
+                    raise _not_gguf("general.architecture is given twice")
+                arch = self._text("general.architecture")
+            elif key == b"general.alignment":
+                if vtype != _UINT32:
+                    raise _not_gguf("general.alignment is not a uint32")
+                alignment = self._read("<I")
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise _not_gguf(f"an alignment of {alignment}, not a power of two")
+            elif key[-12:] == b".block_count" and vtype in _INTEGER and len(block_counts) < _BLOCK_COUNTS:
+                key = bytes(key)
+                if key in block_counts:
+                    raise _not_gguf(f"{key[:64]!r} is given twice")
+                block_counts[key] = self._read(_INTEGER[vtype])
+            else:
+                self._skip(vtype)
+        if arch is None:
+            raise _not_gguf("no general.architecture")
+        n_layer = block_counts.get(f"{arch}.block_count".encode())
+        if n_layer is None or n_layer < 0:
+            raise _not_gguf(f"no {arch[:64]!r}.block_count")
+        infos, names = [], set()
+        for _ in range(n_tensors):
+            name = self._text("a tensor's name")
+            if name in names:
+                raise _not_gguf(f"the tensor {name[:64]!r} is named twice")
+            names.add(name)
+            n_dims = self._read("<I")
+            if n_dims > _MAX_DIMS:
+                raise _not_gguf(f"a tensor of {n_dims} dimensions (at most {_MAX_DIMS})")
+            dims = struct.unpack_from(f"<{n_dims}Q", self.data, self._take(8 * n_dims))
+            ggml_type, offset = self._read("<I"), self._read("<Q")
+            try:
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            except (ValueError, KeyError):
+                raise _not_gguf(f"a tensor of unknown type {ggml_type}") from None
+            n_elements = 1
+            for d in dims:
+                n_elements *= d
+            infos.append((name, offset, n_elements * type_size // block_size))
+        data_start = self.at + (-self.at % alignment)
+        tensors = sorted(((name, data_start + offset, size) for name, offset, size in infos), key=lambda t: t[1])
+        return Layout(data_start=tensors[0][1] if tensors else file_bytes, n_layer=n_layer,
+                      tied_embeddings=not any(name.startswith("output.") for name, _, _ in tensors),
+                      tensors=tuple(tensors))
 
 
 def compute(path: str | Path, sha256: str) -> Manifest:
@@ -193,8 +352,10 @@ def compute(path: str | Path, sha256: str) -> Manifest:
                       for name, offset, size in found.tensors)
     finally:
         os.close(fd)
-    return Manifest(sha256=sha256, file_bytes=path.stat().st_size, filename=path.name, n_layer=found.n_layer,
-                    tied_embeddings=found.tied_embeddings, header=header, tensors=spans)
+    manifest = Manifest(sha256=sha256, file_bytes=path.stat().st_size, filename=path.name, n_layer=found.n_layer,
+                        tied_embeddings=found.tied_embeddings, header=header, tensors=spans)
+    manifest.check()   # one no worker would take is not served, nor vouched for
+    return manifest
 
 
 def _cache_path(sha256: str) -> Path:
