@@ -11,7 +11,7 @@ from meshnet.core import numerics
 from meshnet.core.planner import ModelCost
 from meshnet.net.fields import (BOOL, DICT, INT, LIST, MAX_BATCH, MAX_CTX, MAX_EMBD, MAX_LAYERS, MAX_SESSIONS,
                                 MAX_VOCAB, STR, ProtocolError, at_most, byte_count, checked, endpoint,
-                                layer_range, nonneg, per_layer_counts, positive, sha256, short_text, u64)
+                                layer_range, nonneg, peer_endpoint, per_layer_counts, positive, sha256, short_text, u64)
 
 # the wire form, as fields.checked reads it: (python types, required, extra check or None)
 FIELDS: dict[str, tuple] = {
@@ -40,7 +40,7 @@ FIELDS: dict[str, tuple] = {
     "n_cpus": (INT, False, positive),           # the CPUs this process may run on
     "pid": (INT, False, positive),
     "max_token_bytes": (INT, False, at_most(1 << 16)),   # the head: the longest text one token stands for
-    "weights": (STR, False, endpoint),          # it serves its model file's bytes here (weights/holder.py)
+    "weights": (STR, False, peer_endpoint),     # it serves its model file's bytes here (weights/holder.py)
     "fetches": (BOOL, False, None),             # it holds no model file: it fetches its range's bytes when assigned
 }
 

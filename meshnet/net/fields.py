@@ -91,6 +91,26 @@ def endpoint(v):
     return 0 < len(v) <= 256 and "://" in v
 
 
+def peer_endpoint(v):
+    """tcp://HOST:PORT that a peer connects to and prints: libzmq raises at connect on
+    anything else (a space in the host, a transport it does not know, a bind address), and
+    a control character would forge the log lines it is printed in. HOST is a name, an IPv4
+    address or a bracketed IPv6 one, with its zone (a wildcard, 0.0.0.0 or [::], is reached
+    at the coordinator's host: addresses.reachable)."""
+    if not 0 < len(v) <= 256 or not v.startswith("tcp://"):
+        return False
+    host, colon, port = v[len("tcp://"):].rpartition(":")
+    if not colon or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) <= 65535:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        return len(host) > 2 and all(c in _IPV6 for c in host[1:-1])
+    return bool(host) and all(c in _HOST for c in host)
+
+
+_HOST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+_IPV6 = _HOST | frozenset(":%")
+
+
 def sha256(v):
     return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
