@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from meshnet.core.home import meshnet_home
 from meshnet.net import protocol as P
 from meshnet.net import security, sockets
 from meshnet.net.addresses import reachable
+from meshnet.net.fields import peer_endpoint
 from meshnet.net.security import KeyPair
 from meshnet.core.planner import format_size
 from meshnet.weights import manifest as manifests
@@ -51,6 +53,7 @@ log = logging.getLogger("meshnet.weights.fetch")
 CHUNK = 1 << 20          # bytes a FETCH asks for
 WINDOW = 8               # FETCHes in flight per holder: memory is bounded by WINDOW x CHUNK
 SILENCE_S = 15.0         # a holder that sends nothing for this long is given up for the next
+STOP_POLL_S = 0.25       # a wait that can be cancelled looks this often whether it is
 STATE_SUFFIX = ".have"   # beside the file: the spans fetched and checked, by name, with what they were checked against
 STATE_EVERY_S = 0.25     # ... written down this often at most while a fetch runs (and at its end): a stopped
                          # fetch redoes at most this much, and a model of many small tensors is not slowed
@@ -199,9 +202,16 @@ class Fetch:
         if self.refresh is None:
             return
         try:
-            self.holders = self._reachable(self.refresh())
+            holders = self.refresh()
         except MeshnetError as e:   # the coordinator is away: the holders known before may still serve
             log.warning("fetch: could not ask the coordinator who holds the bytes now (%s)", e)
+            return
+        if holders:
+            self.holders = self._reachable(holders)
+        else:
+            # its probe gives a holder less time than a fetch does: one busy for a moment is
+            # unlisted for a moment, and may well serve
+            log.info("fetch: the coordinator lists no holder that answers now; asking those it listed before")
 
     def _check_room(self, spans: list[Span]) -> None:
         """FETCH_FAILED unless the disk holding the file has room for SPANS (each rounded out
@@ -302,18 +312,19 @@ def _punch_hole(fd: int, offset: int, size: int) -> None:
 
 
 def stream(holder: HolderAddress, keys: KeyPair | None, ranges: Iterable[tuple[object, int, int]],
-           silence_s: float = SILENCE_S) -> Iterator[tuple[object, int, memoryview | bytes]]:
+           silence_s: float = SILENCE_S,
+           cancel: threading.Event | None = None) -> Iterator[tuple[object, int, memoryview | bytes]]:
     """The bytes of each (TAG, OFFSET, SIZE) of RANGES from one holder, in order, as (TAG,
     OFFSET, DATA) pieces of at most CHUNK (an empty range gives one empty piece), WINDOW
     requests in flight on one DEALER (the credit-based flow of the ZeroMQ guide's file
-    transfer); HolderFailed at the first failure."""
+    transfer); HolderFailed at the first failure, or once CANCEL is set."""
     chunks = ((tag, offset, min(CHUNK, start + size - offset))
               for tag, start, size in ranges for offset in range(start, start + max(size, 1), CHUNK))
     in_flight: collections.deque = collections.deque()
     rid = 0
     ctx = zmq.Context()
-    sock = _to_holder(ctx, holder.endpoint, holder.key, keys, CHUNK + 2 * P.MAX_HEADER_BYTES)
     try:
+        sock = _to_holder(ctx, holder.endpoint, holder.key, keys, CHUNK + 2 * P.MAX_HEADER_BYTES)
         pending = next(chunks, None)
         while pending is not None or in_flight:
             while pending is not None and len(in_flight) < WINDOW:
@@ -328,7 +339,7 @@ def stream(holder: HolderAddress, keys: KeyPair | None, ranges: Iterable[tuple[o
                 yield tag, offset, b""
             if not in_flight:
                 continue
-            if not sock.poll(int(silence_s * 1000)):
+            if not _readable(sock, silence_s, cancel):
                 raise HolderFailed(f"no answer within {silence_s:.0f} s")
             frames, why = P.recv_frames(sock, 2, CHUNK + P.MAX_HEADER_BYTES)
             if why is not None:
@@ -344,18 +355,35 @@ def stream(holder: HolderAddress, keys: KeyPair | None, ranges: Iterable[tuple[o
                     or len(msg.payload) != length:
                 raise HolderFailed(f"an answer that is not the bytes [{offset}, {offset + length}) asked for")
             yield tag, offset, msg.payload
+    except zmq.ZMQError as e:   # its socket failed: this holder fails, the next one is asked
+        raise HolderFailed(f"its connection failed: {e}") from None
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
+
+
+def _readable(sock: zmq.Socket, timeout: float, cancel: threading.Event | None) -> bool:
+    """Whether SOCK has a message within TIMEOUT; HolderFailed once CANCEL is set."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if cancel is not None and cancel.is_set():
+            raise HolderFailed("cancelled")
+        if sock.poll(int(min(left, STOP_POLL_S if cancel is not None else left) * 1000) + 1):
+            return True
+    return False
 
 
 def _to_holder(ctx: zmq.Context, endpoint: str, key: bytes | None, keys: KeyPair | None,
                max_frame: int) -> zmq.Socket:
-    """A DEALER connected to a holder, CURVE to its KEY where both sides have keys."""
+    """A DEALER connected to a holder, CURVE to its KEY where both sides have keys;
+    HolderFailed (and no socket left open) where libzmq refuses the endpoint."""
     sock = sockets.fetch_dealer(ctx, max_frame=max_frame)
-    if keys is not None and key is not None:
-        security.client(sock, keys, key)
-    sock.connect(endpoint)
+    try:
+        if keys is not None and key is not None:
+            security.client(sock, keys, key)
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise HolderFailed(f"cannot connect to it: {e.strerror}") from None
     return sock
 
 
@@ -395,9 +423,7 @@ def holders_of(coordinator: str, keys: KeyPair | None, coordinator_key: bytes | 
         raise MeshnetError(E.FETCH_FAILED, f"the coordinator at {coordinator} answered with {e}") from None
     finally:
         sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def _mesh_model(coordinator: str, msg: P.Message) -> MeshModel:
@@ -408,7 +434,7 @@ def _mesh_model(coordinator: str, msg: P.Message) -> MeshModel:
     holders, sha256 = info.get("holders"), info.get("model_sha256")
     checking, why = info.get("checking"), info.get("why")
     well_formed = (isinstance(holders, list)
-                   and all(isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
+                   and all(isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and peer_endpoint(h[0])
                            and (h[1] is None or isinstance(h[1], str)) for h in holders)
                    and (sha256 is None or isinstance(sha256, str)) and (why is None or isinstance(why, str))
                    and (checking is None or isinstance(checking, list) and len(checking) == 2
