@@ -54,7 +54,8 @@ from meshnet.launch.progress import load_bars
                    "coordinator is encrypted and authenticated (needs --coordinator-key)")
 @click.option("--coordinator-key", "coordinator_key_file", default=None, help="the coordinator's public key file (NAME.key)")
 @click.option("--insecure", is_flag=True, help="serve a non-loopback --data-bind without keys: anyone who can reach it "
-                                                 "may send this stage activations")
+                                                 "may send this stage activations; and without a join token, fetch the "
+                                                 "model's bytes checked against an unauthenticated coordinator's word")
 @click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
                                             "make GPU=cuda); it then reports backend CUDA and the GPU's name")
 @numerics_option(baseline=True)
@@ -112,7 +113,7 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
         joined = Joined(coordinator, keys, coordinator_key, None, None)
         if join_token is not None or discover:
             joined = join_mesh(join_token, coordinator, discover, model, data_bind,
-                               echo=lambda line: click.echo(line, err=True))
+                               echo=lambda line: click.echo(line, err=True), insecure=insecure)
             holder = joined.holder
         path, sha256 = joined.model or models.resolve(model)
         config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,

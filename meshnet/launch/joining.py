@@ -3,7 +3,9 @@ token's addresses, or mDNS), the token checked by the coordinator itself, and th
 the file given, which this worker then serves to the others too, or else the model's
 header fetched now and its layers' bytes once the coordinator assigns them, each checked
 against the manifest the coordinator vouches for. A worker that joins before any holder
-does (or while the coordinator still hashes a holder's copy) waits for one, saying so."""
+does (or while the coordinator still hashes a holder's copy) waits for one, saying so, for
+a bounded time. Without a token nothing tells the coordinator's word from any other host's,
+so such a worker fetches no model bytes unless told --insecure."""
 
 from __future__ import annotations
 
@@ -13,19 +15,23 @@ from typing import Callable
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.planner import format_size
 from meshnet.engine import models
 from meshnet.net import discovery, join
 from meshnet.net.addresses import same_host_any_port
 from meshnet.net.security import KeyPair
+from meshnet.route.config import MIN_FETCH_RATE
 from meshnet.weights.fetch import Fetch, MeshModel, holders_of
 from meshnet.weights.holder import Holder
+from meshnet.weights.manifest import MAX_FILE_BYTES
 
 DISCOVER_S = 10.0   # how long a worker looks for its coordinator on the LAN
 PROBE_S = 3.0       # ... and waits on the addresses a token names, when it names several
 ANSWER_S = 15.0     # ... or the one it names
 # how long a worker without the file waits for a holder the coordinator vouches for (a
 # holder that joins at the same moment, or a coordinator hashing a holder's copy: the wait
-# starts again each time that hashing advances, which ends with the file)
+# starts again each time that hashing advances, up to a ceiling of this wait and the time
+# the file takes to hash at MIN_FETCH_RATE, the pace the coordinator holds a holder to)
 HOLDER_WAIT_S = 120.0
 HOLDER_POLL_S = 0.5
 
@@ -49,8 +55,15 @@ def ask_first(endpoints, keys: KeyPair | None, coordinator_key: bytes | None):
 
 
 def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, model: str | None, data_bind: str,
-              echo: Callable[[str], None] = print, holder_wait: float = HOLDER_WAIT_S) -> Joined:
+              echo: Callable[[str], None] = print, holder_wait: float = HOLDER_WAIT_S, insecure: bool = False) -> Joined:
     token = join.parse_token(token_text) if token_text is not None else None
+    if token is None and model is None and not insecure:
+        # a manifest is the coordinator's word on every byte fetched: unauthenticated, any host
+        # on the LAN that answers mDNS (or the address) could give its own
+        raise MeshnetError(E.FETCH_FAILED, "without a join token this worker cannot tell its coordinator's word on "
+                           "the model's bytes from any other host's, and fetches none: give the token (--join, "
+                           "MESHNET_JOIN or --join-file), or --model (a copy of the model), or --insecure to fetch "
+                           "unauthenticated")
     keys = token.keys if token else None
     coordinator_key = token.coordinator_key if token else None
     if coordinator is not None:
@@ -85,29 +98,36 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
 def wait_for_holders(coordinator: str, offered: MeshModel, ask: Callable[[], MeshModel], wait: float,
                      echo: Callable[[str], None]) -> MeshModel:
     """OFFERED once it names a holder and a manifest the coordinator vouches for, asking again
-    (ASK) every HOLDER_POLL_S; FETCH_FAILED, saying why, when none comes within WAIT seconds."""
-    deadline = time.monotonic() + wait
+    (ASK) every HOLDER_POLL_S; FETCH_FAILED, saying why, when none comes within WAIT seconds
+    (again from each step of the coordinator's hashing, up to the ceiling it sets)."""
+    began = time.monotonic()
+    deadline, ceiling = began + wait, None
     said, progress = None, None
     while offered.manifest is None or not offered.holders:
+        if offered.checking is not None and ceiling is None:
+            ceiling = began + wait + min(max(offered.checking[1], 0), MAX_FILE_BYTES) / MIN_FETCH_RATE
         if offered.checking is not None and offered.checking != progress:
             progress = offered.checking
-            deadline = time.monotonic() + wait   # the hashing advanced (and it ends with the file)
+            deadline = min(time.monotonic() + wait, ceiling)   # the hashing advanced
         if offered.checking is not None:
             saying = (f"meshnet worker: the coordinator is hashing a holder's copy of model {offered.sha256[:12]} "
-                      "before it vouches for its bytes; waiting")
+                      f"before it vouches for its bytes; waiting, at most {ceiling - began:.0f} s in all")
         else:
             saying = (f"meshnet worker: no holder of the model's bytes yet (the coordinator at {coordinator} lists "
                       f"none that answers with bytes it vouches for): waiting up to {wait:.0f} s for one")
         if offered.why:
-            saying += f"; the coordinator refused: {offered.why}"
+            saying += f"; the coordinator refused or gave up on: {offered.why}"
         if saying != said:
             echo(saying)
             said = saying
         if time.monotonic() >= deadline:
             why = f" ({offered.why})" if offered.why else ""
+            within = (f"within {time.monotonic() - began:.0f} s (a worker waits for the coordinator's hashing at most "
+                      f"{wait:.0f} s more than the {format_size(progress[1])} file takes at "
+                      f"{MIN_FETCH_RATE / (1 << 20):g} MiB/s)" if deadline == ceiling else f"within {wait:.0f} s")
             raise MeshnetError(E.FETCH_FAILED, f"no holder of the model's bytes that the coordinator at {coordinator} "
-                               f"vouches for appeared within {wait:.0f} s{why}: give this worker --model (a copy of "
-                               "the model), or start the coordinator with --model")
+                               f"vouches for appeared {within}{why}: give this worker --model (a copy of the model), "
+                               "or start the coordinator with --model")
         time.sleep(min(HOLDER_POLL_S, max(0.0, deadline - time.monotonic())))
         offered = ask()
     return offered
