@@ -7,10 +7,17 @@ real protocol. What they may no longer do: give a fetching worker the hashes it 
 against (only the coordinator it authenticated vouches for them, having hashed the file
 itself), make a later fetch reuse bytes checked against other hashes, grow a holder
 without bound or silence it, stay listed when silent, make a worker write past a disk's
-room or leave what it wrote, print forged lines, or fetch a byte twice. A worker that
-joins before any holder waits for one, for a bounded time."""
+room or leave what it wrote, print forged lines, or fetch a byte twice. Nor may a holder
+stop the coordinator's probing (at an endpoint libzmq refuses, or slow while its copy is
+hashed), cost it more than its header's bytes to read that header, hold its hashing below
+1 MiB/s, or be asked again at each worker's question after it failed; and without a token
+a worker fetches nothing. A worker that joins before any holder waits for one, for a
+bounded time, however long the coordinator's hashing."""
 
+import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -38,8 +45,14 @@ from meshnet.net import join
 from meshnet.net import protocol as P
 from meshnet.net import security
 from meshnet.route.config import CoordinatorConfig
+from meshnet.core.layers import LayerRange
 from meshnet.route.coordinator import Coordinator
-from meshnet.weights.manifest import Span, compute
+from meshnet.weights import manifest as manifests
+from meshnet.weights import vouch
+from meshnet.weights.fetch import Fetch, HolderAddress, HolderFailed
+from meshnet.weights.holder import Holder
+from meshnet.weights.manifest import HEADER, Manifest, Span, compute, remember
+from meshnet.weights.vouch import Voucher, check_holder
 
 from conftest import TEST_MODELS, THREADS, track
 from peers import capability, free_port, rss_kib, wait_until
@@ -102,13 +115,22 @@ def text(path: Path) -> str:
 
 
 def stop(process):
+    """SIGTERM, then SIGKILL to every process of its group: each is started in a session of
+    its own, and under unshare (on_a_small_disk) the process tracked is a shell whose child
+    is the worker, which a SIGKILL of the shell alone would leave running."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(30)
+            pass
+    kill_group(process)
+
+
+def kill_group(process):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
 
 
 def whole_model(path):
@@ -170,12 +192,24 @@ def listed_holders(coordinator_endpoint: str, token: join.Token) -> list[str]:
         ctx.term()
 
 
+@functools.cache
+def user_namespaces() -> bool:
+    """Whether unshare(1) exists and may make the namespaces on_a_small_disk needs: where
+    unprivileged user namespaces are off it exists and fails."""
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def on_a_small_disk(home: Path, size: str, listing: Path) -> tuple:
     """A command prefix: what follows runs with HOME on a tmpfs of SIZE of its own (a mount
     namespace of its own), and the files left there afterwards are written to LISTING as
     'SIZE BLOCKS PATH' lines."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) for a small filesystem of the test's own")
+    if not user_namespaces():
+        pytest.skip("needs unprivileged user and mount namespaces (unshare --user --map-root-user --mount) for a "
+                    "small filesystem of the test's own")
     home.mkdir(parents=True, exist_ok=True)
     # the command runs as a child, so that a SIGTERM to this shell stops it and the listing is still made
     script = ('mount -t tmpfs -o size="$1" meshnet-test "$2" || exit 99; home=$2; listing=$3; shift 3; '
@@ -434,7 +468,10 @@ def test_a_disk_too_small_for_the_fetch_is_a_clean_fetch_failed_that_leaves_noth
     # a disk of 16 KiB: not room for the model's header (26 KiB)
     process = worker(home, mesh.token(), "--mem", "1G", log=tmp_path / "b.log",
                      prefix=on_a_small_disk(home, "16k", listing))
-    assert process.wait(120) == 4, text(tmp_path / "b.log")
+    try:
+        assert process.wait(120) == 4, text(tmp_path / "b.log")
+    finally:
+        stop(process)
     log = text(tmp_path / "b.log")
     assert "[fetch_failed]" in log and "free" in log and "Traceback" not in log, log
     assert text(listing) == "", text(listing)   # nothing left behind on it
@@ -485,12 +522,17 @@ def test_a_disk_that_fills_during_a_fetch_ends_it_with_fetch_failed_and_what_it_
     home = tmp_path / "b"
     listing = tmp_path / "left.txt"
     # room for the whole model, until another writer takes it in the middle of the fetch
-    done = subprocess.run(
+    process = track(subprocess.Popen(
         [*on_a_small_disk(home, "32m", listing), sys.executable, "-c", FILLED, str(home), str(tmp_path / "manifest"),
          mesh.host.holder.endpoint, mesh.host.holder.public_key, mesh.token().encode()],
-        env={**os.environ, "MESHNET_HOME": str(home)}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+        env={**os.environ, "MESHNET_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True))
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        kill_group(process)
+    assert process.returncode == 0, stderr
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["outcome"].startswith("[fetch_failed]") and "what this fetch wrote is removed" in result["outcome"], \
         result
     # what was there before this fetch (the header) is kept; the rest it wrote is holes again
@@ -576,13 +618,15 @@ class Liar:
         self.ctx.term()
 
 
-CRAFTED = ["a 4 EiB file",                               # W4
-           "an escape and a newline in the file name",   # W5
-           "1,000 spans of one 1 MiB region",            # W6
-           "a header of 1 TiB"]                           # W3
+# each case, and the word the refusal names it by (a header past a GGUF header's bound is the
+# manifest's own rule: it never reaches the disk's)
+CRAFTED = [("a 4 EiB file", "bound"),                                     # W4
+           ("an escape and a newline in the file name", "plain printable"),  # W5
+           ("1,000 spans of one 1 MiB region", "overlaps"),                  # W6
+           ("a header of 1 TiB", "bound")]                                   # W3
 
 
-@pytest.mark.parametrize("case, why", list(zip(CRAFTED, ["bound", "plain printable", "overlaps", "bound"])))
+@pytest.mark.parametrize("case, why", CRAFTED)
 def test_a_holder_s_manifest_past_the_bounds_is_refused_by_the_coordinator_and_reaches_no_worker(
         tmp_path, model_file, meshes, case, why):
     mesh = meshes(tmp_path)   # no model file of its own: the lying holder is the only one
@@ -608,7 +652,7 @@ def test_a_holder_s_manifest_past_the_bounds_is_refused_by_the_coordinator_and_r
     assert text(listing) == "", text(listing)   # the worker wrote nothing
 
 
-@pytest.mark.parametrize("case, why", list(zip(CRAFTED, ["bound", "plain printable", "overlaps", "free"])))
+@pytest.mark.parametrize("case, why", CRAFTED)
 def test_a_coordinator_s_manifest_past_the_bounds_is_refused_before_a_byte_is_fetched_or_written(
         tmp_path, model_file, case, why):
     keys = tmp_path / "liar-keys"
@@ -661,3 +705,390 @@ def test_a_worker_that_finds_no_holder_gives_up_after_a_bounded_wait_saying_why(
     assert "within 2 s" in failed.value.message and "--model" in failed.value.message
     assert said and "waiting up to 2 s" in said[0], said
     assert 2 <= time.monotonic() - began < 30
+
+
+# ---- a holder the test controls: silent, slow, failing, or at an endpoint libzmq refuses ----
+
+
+class FakeHolder:
+    """A holder's socket (plain, or a CURVE server with KEYS) that answers HEARTBEAT at once,
+    MANIFEST with WIRE, and FETCH with DATA's bytes, one request each FETCH_EVERY seconds
+    (never with None, an ERROR at once with FAIL); while `silent` is set it reads and answers
+    nothing. It counts what it was asked, by type."""
+
+    def __init__(self, data: bytes = b"", wire: bytes | None = None, keys=None, fetch_every: float | None = 0.0,
+                 fail: bool = False, silent: bool = False):
+        self.data, self.wire, self.fetch_every, self.fail = data, wire, fetch_every, fail
+        self.asked: collections.Counter = collections.Counter()
+        self.silent = threading.Event()
+        if silent:
+            self.silent.set()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            security.serve(self.sock, keys)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        queued: collections.deque = collections.deque()
+        next_at = 0.0
+        while self._running:
+            if self.sock.poll(10):
+                identity, *frames = self.sock.recv_multipart()
+                try:
+                    msg = P.decode(frames, 0)
+                except P.ProtocolError:
+                    continue
+                self.asked[msg.type] += 1
+                if self.silent.is_set():
+                    continue
+                if msg.type == P.HEARTBEAT:
+                    self.sock.send_multipart([identity, *P.encode(P.OK, msg.rid)])
+                elif msg.type == P.MANIFEST and self.wire is not None:
+                    self.sock.send_multipart([identity, *P.encode(P.OK, msg.rid, self.wire)])
+                elif msg.type == P.FETCH and self.fail:
+                    self.sock.send_multipart([identity, *P.error_frames(msg.rid, E.INTERNAL, "a disk error")])
+                elif msg.type == P.FETCH:
+                    queued.append((identity, msg))
+            if queued and self.fetch_every is not None and time.monotonic() >= next_at:
+                identity, msg = queued.popleft()
+                data = self.data[msg["offset"]:msg["offset"] + msg["length"]]
+                self.sock.send_multipart([identity, *P.encode(P.OK, msg.rid, data, offset=msg["offset"])])
+                next_at = time.monotonic() + self.fetch_every
+
+    def close(self):
+        self._running = False
+        self._thread.join(10)
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A MESHNET_HOME of the test's for what runs in this process (a voucher keeps the manifests it vouched for)."""
+    monkeypatch.setenv("MESHNET_HOME", str(tmp_path / "coordinator-home"))
+    return tmp_path / "coordinator-home"
+
+
+@pytest.fixture
+def vouchers():
+    made = []
+    yield lambda *args, **kwargs: made.append(Voucher(*args, **kwargs)) or made[-1]
+    for voucher in made:
+        voucher.close()
+
+
+def listed(voucher, registered) -> list[str]:
+    return [endpoint for endpoint, _ in voucher.answer(b"worker", registered)[0]["holders"]]
+
+
+# ---- S2: an endpoint libzmq refuses fails that holder only -------------------------------
+
+
+def test_a_holder_at_an_endpoint_libzmq_refuses_is_not_listed_and_the_others_are_still_probed(
+        model_file, home, vouchers):
+    sha256 = models.resolve(str(model_file))[1]
+    remember(compute(model_file, sha256))   # vouched for already: the voucher's thread only probes
+    answering = FakeHolder()
+    registered = [("tcp://bad host:1", None, sha256), ("foo://x", None, sha256)]
+    voucher = vouchers(None, sha256, (answering.endpoint, None), probe_s=0.2, probe_timeout_s=1.0)
+    try:
+        # each probe reaches the holder that answers: the one that could not be connected to did not stop them
+        assert wait_until(lambda: listed(voucher, registered) == [answering.endpoint]
+                          and answering.asked[P.HEARTBEAT] >= 3, 30), \
+            (listed(voucher, registered), answering.asked)
+    finally:
+        voucher.close()
+        answering.close()
+
+
+def test_a_fetch_given_a_holder_libzmq_refuses_fetches_from_the_next(tmp_path, model_file):
+    sha256 = models.resolve(str(model_file))[1]
+    with Holder(model_file, sha256, "tcp://127.0.0.1:0") as holder:
+        fetch = Fetch(holder.manifest, [HolderAddress("tcp://bad host:1", None), HolderAddress(holder.endpoint, None)],
+                      None, path=tmp_path / "b" / model_file.name)
+        fetch.run(holder.manifest.spans_for(LayerRange(0, holder.manifest.n_layer)))
+    assert fetch.path.read_bytes() == model_file.read_bytes()
+    assert len(fetch.failures) == 1 and fetch.failures[0].startswith("tcp://bad host:1: "), fetch.failures
+
+
+# ---- C1: an empty list from the coordinator keeps the holders known ----------------------
+
+
+def test_a_fetch_keeps_the_holders_it_knew_when_the_coordinator_lists_none_for_a_moment(tmp_path, model_file):
+    sha256 = models.resolve(str(model_file))[1]
+    with Holder(model_file, sha256, "tcp://127.0.0.1:0") as holder:
+        # the coordinator's probe timed out on a busy holder: its list is empty for a moment
+        fetch = Fetch(holder.manifest, [HolderAddress(holder.endpoint, None)], None,
+                      path=tmp_path / "b" / model_file.name, refresh=lambda: [])
+        fetch.run(holder.manifest.spans_for(LayerRange(0, holder.manifest.n_layer)))
+    assert fetch.path.read_bytes() == model_file.read_bytes()
+
+
+# ---- S1, S8: a holder's header is read within bounds, and only a bad one refuses it -------
+
+
+def hostile_header_file(path: Path, n_strings: int) -> tuple[int, int]:
+    """A GGUF whose header holds an array of N_STRINGS empty strings and whose one tensor is 16
+    bytes: (where its data start, its length)."""
+    def string(s: bytes) -> bytes:
+        return len(s).to_bytes(8, "little") + s
+
+    def kv(key: str, vtype: int, value: bytes) -> bytes:
+        return string(key.encode()) + vtype.to_bytes(4, "little") + value
+    header = b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (3).to_bytes(8, "little")
+    header += kv("general.architecture", 8, string(b"llama")) + kv("llama.block_count", 4, (4).to_bytes(4, "little"))
+    header += kv("tokenizer.ggml.tokens", 9, (8).to_bytes(4, "little") + n_strings.to_bytes(8, "little")
+                 + bytes(8 * n_strings))
+    header += string(b"token_embd.weight") + (1).to_bytes(4, "little") + (4).to_bytes(8, "little") \
+        + (0).to_bytes(4, "little") + (0).to_bytes(8, "little")
+    header += bytes(-len(header) % 32)
+    path.write_bytes(header + bytes(range(16)))
+    return len(header), len(header) + 16
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime, the process's own
+
+
+def holders_info(coordinator_endpoint: str, token: join.Token) -> dict:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    security.client(sock, token.keys, token.coordinator_key)
+    sock.connect(coordinator_endpoint)
+    try:
+        sock.send_multipart(P.encode(P.HOLDERS, 1))
+        assert sock.poll(15_000), "the coordinator did not answer HOLDERS"
+        return P.decode(sock.recv_multipart(), 64 << 20)["info"]
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_holder_s_hostile_gguf_header_costs_the_coordinator_bounded_cpu_and_memory(tmp_path, model_file):
+    sha256 = models.resolve(str(model_file))[1]
+    # the header the review measured: a million empty strings, 8 MiB, 22 s of CPU and 1.5 GiB to read
+    hostile = tmp_path / "hostile" / model_file.name
+    hostile.parent.mkdir()
+    data_start, file_bytes = hostile_header_file(hostile, 1 << 20)
+    raw = hostile.read_bytes()
+    hint = Manifest(sha256=sha256, file_bytes=file_bytes, filename=model_file.name, n_layer=4, tied_embeddings=True,
+                    header=Span(HEADER, 0, data_start, hashlib.sha256(raw[:data_start]).hexdigest()),
+                    tensors=(Span("token_embd.weight", data_start, 16, hashlib.sha256(raw[data_start:]).hexdigest()),))
+    port = free_port()
+    coordinator_home = tmp_path / "coordinator"
+    token = join.make_token([f"tcp://127.0.0.1:{port}"], join.coordinator_keys(coordinator_home / "keys"),
+                            join.JoinKey(coordinator_home / "keys").pair())
+    coordinator = track(subprocess.Popen(
+        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", f"tcp://127.0.0.1:{port}"],
+        env={**os.environ, "MESHNET_HOME": str(coordinator_home)}, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.log", "w"), start_new_session=True))
+    holder = fake = None
+    try:
+        assert wait_until(lambda: "coordinator listening" in text(tmp_path / "coordinator.log"), 60), \
+            text(tmp_path / "coordinator.log")
+        before_cpu, before_hwm = cpu_seconds(coordinator.pid), vm_hwm_kib(coordinator.pid)
+        holder = FakeHolder(raw, hint.to_wire(), token.keys)
+        layout = read_layout(str(model_file))
+        fake = KeyedFakeWorker(f"tcp://127.0.0.1:{port}", token, capability(
+            model_sha256=sha256, n_layer=layout.n_layer, layers=[0, layout.n_layer], weights=holder.endpoint))
+        # it reads the header, hashes the file whole, finds it is not the model's and refuses the holder
+        assert wait_until(lambda: "changed copy" in (holders_info(f"tcp://127.0.0.1:{port}", token).get("why") or ""),
+                          120), (holders_info(f"tcp://127.0.0.1:{port}", token), text(tmp_path / "coordinator.log"))
+        assert cpu_seconds(coordinator.pid) - before_cpu < 5, cpu_seconds(coordinator.pid) - before_cpu
+        assert vm_hwm_kib(coordinator.pid) - before_hwm < 128 << 10, (vm_hwm_kib(coordinator.pid), before_hwm)
+    finally:
+        if fake is not None:
+            fake.close()
+        if holder is not None:
+            holder.close()
+        stop(coordinator)
+
+
+def test_a_holder_whose_header_cannot_be_read_for_want_of_memory_is_not_refused_for_good(
+        model_file, home, monkeypatch):
+    sha256 = models.resolve(str(model_file))[1]
+
+    def exhausted(*args):
+        raise MemoryError()
+    with Holder(model_file, sha256, "tcp://127.0.0.1:0") as holder:
+        # the coordinator's machine is short of memory: the holder's bytes may still be the model's
+        monkeypatch.setattr(manifests, "layout", exhausted)
+        monkeypatch.setattr(manifests, "layout_of", exhausted, raising=False)
+        with pytest.raises(HolderFailed):
+            check_holder(HolderAddress(holder.endpoint, None), None, sha256, holder.manifest)
+
+
+# ---- S3, S4, C4: vouching is bounded in time, probing goes on meanwhile, a failure backs off ----
+
+
+def test_probing_goes_on_while_the_coordinator_hashes_a_slow_holder_s_copy(model_file, home, vouchers):
+    sha256 = models.resolve(str(model_file))[1]
+    # a holder that streams about 0.7 MiB/s (the 9 MB model takes some 14 s) and one that answers nothing
+    slow = FakeHolder(model_file.read_bytes(), compute(model_file, sha256).to_wire(), fetch_every=1.5)
+    silent = FakeHolder(silent=True)
+    registered = [(slow.endpoint, None, sha256), (silent.endpoint, None, sha256)]
+    voucher = vouchers(None, None, None, probe_s=0.5, probe_timeout_s=1.5)
+    try:
+        voucher.answer(b"worker", registered)
+        assert wait_until(lambda: listed(voucher, registered) == [slow.endpoint], 10), listed(voucher, registered)
+        silent.silent.clear()   # it answers again: it is listed again, while the slow copy is still being hashed
+        assert wait_until(lambda: listed(voucher, registered) == [slow.endpoint, silent.endpoint], 5), \
+            listed(voucher, registered)
+        info, manifest = voucher.answer(b"a worker that never asked", registered)
+        assert manifest is None and "checking" in info, info
+    finally:
+        voucher.close()
+        slow.close()
+        silent.close()
+
+
+def test_a_holder_that_streams_below_the_minimum_rate_is_given_up_saying_so(model_file, home, vouchers, monkeypatch):
+    sha256 = models.resolve(str(model_file))[1]
+    # a holder that answers each MiB just in time, 1.5 s apart: below the 1 MiB/s a holder must keep,
+    # with a slack of 2 s (30 by default) so that it shows within seconds
+    monkeypatch.setattr(vouch, "PACE_SLACK_S", 2.0, raising=False)
+    slow = FakeHolder(model_file.read_bytes(), compute(model_file, sha256).to_wire(), fetch_every=1.5)
+    registered = [(slow.endpoint, None, sha256)]
+    voucher = vouchers(None, None, None, probe_s=0.5, probe_timeout_s=1.5)
+    try:
+        voucher.answer(b"worker", registered)
+        # given up before its copy is whole (it would be after some 14 s), and not vouched for
+        assert wait_until(lambda: "under the 1 MiB/s a holder keeps" in
+                          (voucher.answer(b"worker", registered)[0].get("why") or ""), 12), \
+            voucher.answer(b"worker", registered)
+        assert voucher.answer(b"a worker that never asked", registered)[1] is None
+    finally:
+        voucher.close()
+        slow.close()
+
+
+def test_a_holder_that_failed_is_asked_again_only_after_a_back_off_however_often_workers_ask(
+        model_file, home, vouchers):
+    sha256 = models.resolve(str(model_file))[1]
+    failing = FakeHolder(model_file.read_bytes(), compute(model_file, sha256).to_wire(), fail=True)
+    registered = [(failing.endpoint, None, sha256)]
+    voucher = vouchers(None, None, None, probe_s=0.5, probe_timeout_s=1.5)
+    try:
+        began = time.monotonic()
+        while time.monotonic() - began < 6:   # workers waiting for a holder ask every 20 ms
+            voucher.answer(b"worker", registered)
+            time.sleep(0.02)
+        assert 1 <= failing.asked[P.MANIFEST] <= 3, failing.asked
+    finally:
+        voucher.close()
+        failing.close()
+
+
+def test_a_coordinator_closes_at_once_while_a_holder_is_silent_in_the_middle_of_its_stream(
+        model_file, home, vouchers):
+    sha256 = models.resolve(str(model_file))[1]
+    # it gives its manifest, then answers no FETCH
+    mute = FakeHolder(model_file.read_bytes(), compute(model_file, sha256).to_wire(), fetch_every=None)
+    voucher = vouchers(None, None, None, probe_s=0.5, probe_timeout_s=1.5)
+    try:
+        voucher.answer(b"worker", [(mute.endpoint, None, sha256)])
+        assert wait_until(lambda: mute.asked[P.FETCH] > 0, 15), mute.asked
+        began = time.monotonic()
+        voucher.close()
+        assert time.monotonic() - began < 3
+        assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("meshnet-vouch"))
+    finally:
+        mute.close()
+
+
+class Hashing:
+    """A coordinator (CURVE server with KEYS) whose answer to HOLDERS says, each time, that it
+    hashes a holder's copy one more byte along, and never vouches."""
+
+    def __init__(self, keys, sha256: str, total: int):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        security.serve(self.sock, keys)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sha256, self.total, self.done = sha256, total, 0
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while self._running:
+            if self.sock.poll(20):
+                identity, *frames = self.sock.recv_multipart()
+                msg = P.decode(frames, 0)
+                self.done += 1
+                self.sock.send_multipart([identity, *P.encode(P.OK, msg.rid, info={
+                    "model_sha256": self.sha256, "holders": [], "checking": [self.done, self.total]})])
+
+    def close(self):
+        self._running = False
+        self._thread.join(10)
+        self.sock.close()
+        self.ctx.term()
+
+
+def test_a_worker_waits_for_a_hashing_coordinator_at_most_a_ceiling_it_names(tmp_path):
+    keys = tmp_path / "keys"
+    coordinator = Hashing(join.coordinator_keys(keys), "ab" * 32, 1 << 20)
+    token = join.make_token([coordinator.endpoint], join.coordinator_keys(keys), join.JoinKey(keys).pair())
+    outcome: list = []
+
+    def joining():
+        try:
+            join_mesh(token.encode(), None, False, None, "tcp://127.0.0.1:0", echo=lambda line: None, holder_wait=2)
+        except MeshnetError as e:
+            outcome.append(e)
+    thread = threading.Thread(target=joining, daemon=True)
+    try:
+        thread.start()
+        thread.join(30)   # the hashing advances at each ask: the wait is 2 s and the 1 MiB at 1 MiB/s
+        assert not thread.is_alive(), f"still waiting after 30 s ({coordinator.done} asks)"
+        assert outcome and outcome[0].code == E.FETCH_FAILED, outcome
+        assert "at most" in outcome[0].message, outcome[0].message
+    finally:
+        coordinator.close()
+
+
+# ---- S7: without a token a worker fetches no weights, unless --insecure -----------------
+
+
+def test_a_worker_without_a_token_fetches_no_weights_unless_insecure(tmp_path, model_file):
+    sha256 = models.resolve(str(model_file))[1]
+    # a coordinator any LAN host could be: no keys, and the model's bytes
+    host = MeshHost("tcp://127.0.0.1:0", secure=False, model=(model_file, sha256))
+    coordinator = Coordinator(CoordinatorConfig("tcp://127.0.0.1:0", **host.coordinator_options()))
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_JOIN"}
+
+    def unauthenticated(name: str, *args) -> subprocess.Popen:
+        (tmp_path / name).mkdir()
+        return track(subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", coordinator.endpoint, "--discover",
+             "--layers", "auto", "--mem", "1G", "--threads", str(THREADS), "--ctx", "256", *args],
+            env={**env, "MESHNET_HOME": str(tmp_path / name)}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{name}.log", "w"), start_new_session=True))
+    refused = unauthenticated("b")
+    insecure = None
+    try:
+        assert wait_until(lambda: refused.poll() is not None, 60), text(tmp_path / "b.log")
+        log = text(tmp_path / "b.log")
+        assert refused.returncode == 4 and "[fetch_failed]" in log and "--join" in log, log
+        assert "from the mesh" not in log and not (tmp_path / "b" / "models").exists(), log
+        insecure = unauthenticated("c", "--insecure")
+        coordinator.wait_for_route(180, n_stages=1)
+        assert "from the mesh" in text(tmp_path / "c.log"), text(tmp_path / "c.log")
+    finally:
+        stop(refused)
+        if insecure is not None:
+            stop(insecure)
+        coordinator.close()
+        host.close()
