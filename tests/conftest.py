@@ -77,6 +77,19 @@ def generated_models() -> dict:
             for name in sorted(os.listdir(TEST_MODELS)) if name.endswith(".gguf")}
 
 
+def generated_model_copy(tmp_path, stem: str = "llama-dense"):
+    """A copy of a generated model of the test's own, under TMP_PATH/a: tests that change
+    its bytes (a holder's, a liar's) leave the shared one as it is."""
+    import shutil
+
+    source = os.path.join(TEST_MODELS, f"{stem}.gguf")
+    assert os.path.isfile(source), f"{source} is missing: run `make test-models` (make test does)"
+    copy = tmp_path / "a" / f"{stem}.gguf"
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(source, copy)
+    return copy
+
+
 def model_arch(stem: str) -> str:
     return re.sub(r"-(dense|moe)$", "", stem)
 

@@ -28,7 +28,7 @@ from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 from meshnet.weights.fetch import STATE_SUFFIX
 
-from conftest import TEST_MODELS, THREADS, track
+from conftest import TEST_MODELS, THREADS, generated_model_copy, track
 from peers import wait_until
 
 MODEL = "llama-dense"     # a generated model of 4 layers (make test-models)
@@ -39,12 +39,7 @@ N_TOKENS = 12
 @pytest.fixture
 def model_file(tmp_path):
     """A copy of the generated model of our own: the tests change bytes of it."""
-    source = os.path.join(TEST_MODELS, f"{MODEL}.gguf")
-    assert os.path.isfile(source), f"{source} is missing: run `make test-models` (make test does)"
-    copy = tmp_path / "a" / f"{MODEL}.gguf"
-    copy.parent.mkdir(parents=True)
-    shutil.copyfile(source, copy)
-    return copy
+    return generated_model_copy(tmp_path, MODEL)
 
 
 class Mesh:

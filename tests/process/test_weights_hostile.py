@@ -54,7 +54,7 @@ from meshnet.weights.holder import Holder
 from meshnet.weights.manifest import HEADER, Manifest, Span, compute, remember
 from meshnet.weights.vouch import Voucher, check_holder
 
-from conftest import TEST_MODELS, THREADS, track
+from conftest import TEST_MODELS, THREADS, generated_model_copy, track
 from peers import capability, free_port, rss_kib, wait_until
 
 MODEL = "llama-dense"     # a generated model of 4 layers (make test-models), 9 MB
@@ -64,12 +64,7 @@ N_TOKENS = 12
 
 @pytest.fixture
 def model_file(tmp_path):
-    source = os.path.join(TEST_MODELS, f"{MODEL}.gguf")
-    assert os.path.isfile(source), f"{source} is missing: run `make test-models` (make test does)"
-    copy = tmp_path / "a" / f"{MODEL}.gguf"
-    copy.parent.mkdir(parents=True)
-    shutil.copyfile(source, copy)
-    return copy
+    return generated_model_copy(tmp_path, MODEL)
 
 
 class Mesh:
@@ -175,8 +170,8 @@ def claim_sha256(home: Path, path: Path, sha256: str) -> None:
                                  "ctime_ns": st.st_ctime_ns, "sha256": sha256}))
 
 
-def listed_holders(coordinator_endpoint: str, token: join.Token) -> list[str]:
-    """The endpoints the coordinator's answer to HOLDERS lists, asked as a joining worker asks."""
+def holders_info(coordinator_endpoint: str, token: join.Token) -> dict:
+    """The coordinator's answer to HOLDERS (its info), asked as a joining worker asks."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -185,11 +180,15 @@ def listed_holders(coordinator_endpoint: str, token: join.Token) -> list[str]:
     try:
         sock.send_multipart(P.encode(P.HOLDERS, 1))
         assert sock.poll(15_000), "the coordinator did not answer HOLDERS"
-        msg = P.decode(sock.recv_multipart(), 64 << 20)
-        return [endpoint for endpoint, _ in msg["info"]["holders"]]
+        return P.decode(sock.recv_multipart(), 64 << 20)["info"]
     finally:
         sock.close()
         ctx.term()
+
+
+def listed_holders(coordinator_endpoint: str, token: join.Token) -> list[str]:
+    """The endpoints the coordinator's answer to HOLDERS lists."""
+    return [endpoint for endpoint, _ in holders_info(coordinator_endpoint, token)["holders"]]
 
 
 @functools.cache
@@ -857,20 +856,6 @@ def cpu_seconds(pid: int) -> float:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime, the process's own
 
-
-def holders_info(coordinator_endpoint: str, token: join.Token) -> dict:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    security.client(sock, token.keys, token.coordinator_key)
-    sock.connect(coordinator_endpoint)
-    try:
-        sock.send_multipart(P.encode(P.HOLDERS, 1))
-        assert sock.poll(15_000), "the coordinator did not answer HOLDERS"
-        return P.decode(sock.recv_multipart(), 64 << 20)["info"]
-    finally:
-        sock.close()
-        ctx.term()
 
 
 def test_a_holder_s_hostile_gguf_header_costs_the_coordinator_bounded_cpu_and_memory(tmp_path, model_file):
