@@ -101,16 +101,17 @@ def test_only_workers_with_an_allowed_key_for_this_coordinator_get_in(smollm2_pa
         assert got == whole.generate(PROMPT_TOKENS, 16, stop_at_eog=False).tokens
 
 
-def test_a_coordinator_without_keys_is_not_reached_by_a_keyed_worker(smollm2_path, keys):
+def test_a_coordinator_without_keys_is_not_reached_by_a_keyed_worker(smollm2_path, keys, tmp_path):
     with Coordinator(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_liveness=10)) as coordinator:
         assert security.mechanism(coordinator.router) == "NULL"
-        worker = keyed_worker(smollm2_path, coordinator, (0, 30), keys, "head", stderr=subprocess.PIPE)
+        log = tmp_path / "worker.log"
+        worker = keyed_worker(smollm2_path, coordinator, (0, 30), keys, "head", stderr=open(log, "wb"))
         try:
-            time.sleep(3)
+            # decided by what the worker says, not by a time it was given to say it
+            assert wait_until(lambda: b"refused the handshake" in log.read_bytes(), 120), log.read_bytes()
             assert coordinator.workers_snapshot() == []
         finally:
-            (stderr,) = stop([worker])
-        assert b"refused the handshake" in stderr
+            stop([worker])
 
 
 def test_bad_key_files_are_refused_with_bad_key(tmp_path):
