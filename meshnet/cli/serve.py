@@ -22,7 +22,12 @@ from meshnet.core.errors import MeshnetError
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
               help=f"local workers: context tokens per session [default: {defaults.N_CTX}]")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=None,
-              help=f"local workers: sessions at once; beyond them a request gets 429 [default: {defaults.MAX_SESSIONS}]")
+              help=f"local workers: sessions at once; beyond them a request waits in the queue "
+                   f"[default: {defaults.MAX_SESSIONS}]")
+@click.option("--max-queue", type=click.IntRange(min=0), default=defaults.MAX_QUEUE, show_default=True,
+              help="requests that may wait for a session slot; one beyond them gets 429")
+@click.option("--queue-wait", type=click.FloatRange(min=0), default=defaults.QUEUE_WAIT_S, show_default=True,
+              help="seconds a request waits for a session slot before it gets 429")
 @click.option("--coordinator", "bind", default=None,
               help="instead of local workers, bind a coordinator here (e.g. tcp://0.0.0.0:5555) and serve through the "
                    "meshnet workers that connect to it")
@@ -46,7 +51,7 @@ from meshnet.core.errors import MeshnetError
 @resume_options
 @prefix_cache_option
 @speculate_option
-def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind, secret_file, allow_path, mem, announce,
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, max_queue, queue_wait, bind, secret_file, allow_path, mem, announce,
           insecure, stuck_after, numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
@@ -88,6 +93,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, bind
                    mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
                    secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
+                   max_queue=max_queue, queue_wait=queue_wait,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

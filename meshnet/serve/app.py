@@ -6,9 +6,9 @@ body's size (BodyLimit), its types (the pydantic models of openai.py), then what
 types leave open (check_request). A generation (chat template, tokenizer, sampling, end
 of generation) is the coordinator's, over the stages; completions.py carries one from
 the request to its answer, adding what OpenAI's API has and the coordinator has not:
-stop strings, usage, and a count of session slots, so that a request beyond the
-stages' --max-sessions is refused at once (429) instead of opening a session that a
-stage refuses. launch.py starts the server.
+stop strings, usage, and a count of session slots: a request beyond the stages'
+--max-sessions waits its turn in admission.py's queue instead of opening a session that
+a stage refuses. launch.py starts the server.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from meshnet.core.conversation import prompt_tokens as chat_prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
 from meshnet.serve import console
+from meshnet.serve.admission import Admission
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
                                   field_path, tool_request)
@@ -85,10 +86,11 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def create_app(coordinator, model: str, *, api_key: str | None = None, stuck_after: float = defaults.STUCK_AFTER_S) -> FastAPI:
+def create_app(coordinator, model: str, *, api_key: str | None = None, stuck_after: float = defaults.STUCK_AFTER_S,
+               max_queue: int = defaults.MAX_QUEUE, queue_wait: float = defaults.QUEUE_WAIT_S) -> FastAPI:
     app = FastAPI(title="meshnet", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
-    completions = Completions(coordinator, model)
+    completions = Completions(coordinator, model, Admission(max_queue, queue_wait))
     _answer_errors_as_openai_does(app)
     authorize = _authorizer(api_key)
     app.include_router(_v1(coordinator, model, completions, authorize))
@@ -162,15 +164,13 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
         check_request(body)
         tools = tool_request(body)
         messages = chat_messages(body.messages)
-        plan = await completions.tool_plan(tools, messages) if tools is not None else None
-        if plan is not None:
-            return await completions.answer(request, body, True,
-                                            lambda limit: plan.tokens(coordinator, messages, limit),
-                                            body.max_completion_tokens or body.max_tokens, plan)
-        plain = [generic_message(m) for m in messages]
-        return await completions.answer(request, body, True,
-                                        lambda limit: chat_prompt_tokens(coordinator, plain, limit),
-                                        body.max_completion_tokens or body.max_tokens)
+
+        def prepare(limit: int):   # once the request has a slot: the head's text work waits in the queue too
+            plan = completions.tool_plan(tools, messages, limit) if tools is not None else None
+            if plan is None:   # (no tools, or tool_choice none on a template that knows none)
+                return None, chat_prompt_tokens(coordinator, [generic_message(m) for m in messages], limit)
+            return plan, plan.tokens(coordinator, messages, limit)
+        return await completions.answer(request, body, True, prepare, body.max_completion_tokens or body.max_tokens)
 
     @v1.post("/completions")
     async def text_completions(request: Request, body: CompletionRequest):
@@ -178,8 +178,8 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise ApiError(400, "prompt must be one text (one choice per request)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        return await completions.answer(request, body, False, lambda limit: coordinator.tokenize(prompt, limit=limit),
-                                        body.max_tokens)
+        return await completions.answer(request, body, False,
+                                        lambda limit: (None, coordinator.tokenize(prompt, limit=limit)), body.max_tokens)
 
     return v1
 
@@ -206,11 +206,10 @@ def _status_routes(app: FastAPI, coordinator, model: str, completions: Completio
             error = "; ".join(f"stage {s['layers']} has run one step for {s['step_s']:.1f} s (over {stuck_after:g} s)"
                               for s in stuck)
         return JSONResponse({"status": status, "model": model, "route": report["route"] or [], "error": error,
-                             "sessions": slots.active, "stages": stages}, status_code=200 if status == "ready" else 503)
+                             "sessions": slots.active, "queued": slots.queued,
+                             "stages": stages}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     def metrics():
-        own = ("# HELP meshnet_http_sessions_active sessions open for HTTP requests\n"
-               "# TYPE meshnet_http_sessions_active gauge\n"
-               f"meshnet_http_sessions_active{{}} {slots.active}\n")
-        return PlainTextResponse(prometheus_text(coordinator.metrics()) + own, media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(coordinator.metrics()) + slots.prometheus(),
+                                 media_type="text/plain; version=0.0.4")

@@ -1,8 +1,9 @@
 """One completion of `meshnet serve`, from a checked request to its answer: a session
-slot counted against the stages' --max-sessions (429 beyond them), the prompt's tokens
-within the context, a session iterated by a thread of its own (the coordinator's API
-blocks) that hands its events to the request's asyncio queue, stop strings, and the
-answer whole or as server-sent events."""
+slot counted against the stages' --max-sessions (waited for in admission.py's queue),
+the prompt's tokens within the context, a session iterated by a thread of its own (the
+coordinator's API blocks) that hands its events to the request's asyncio queue, stop
+strings, and the answer whole or as server-sent events; a stream that waits long for
+its first token gets keep-alive comments meanwhile."""
 
 from __future__ import annotations
 
@@ -21,11 +22,18 @@ from starlette.concurrency import run_in_threadpool
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
+from meshnet.serve.admission import Admission, ClientGone
 from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, logprobs_of, sampling_of, sse
 from meshnet.serve.tools import ToolRequest, plan_of
 
 SETTLE_S = 2.0
 DISCONNECT_POLL_S = 0.5  # how soon a client gone (not streaming, or during a long prompt) frees its session
+# A stream whose first token has not come this soon (it waits for a slot, or its prompt is
+# long) is answered 200 at once, and an SSE comment goes every KEEPALIVE_S until it comes:
+# clients and proxies (nginx's 60 s read timeout) see a live connection. An error after
+# that goes in the stream, as one after the first token does.
+KEEPALIVE_AFTER_S = 2.0
+KEEPALIVE_S = 5.0
 
 
 class StopScanner:
@@ -51,49 +59,12 @@ class StopScanner:
         return out
 
 
-class Slots:
-    """Sessions this server has open, counted against the stages' --max-sessions, and
-    the live ones among them, ended at once when the server stops."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.active = 0
-        self.sessions: set[Session] = set()
-
-    def take(self, limit: int) -> bool:
-        with self.lock:
-            if self.active >= limit:
-                return False
-            self.active += 1
-            return True
-
-    def hold(self, session: "Session") -> None:
-        with self.lock:
-            self.sessions.add(session)
-
-    def give(self, session: "Session | None" = None) -> None:
-        with self.lock:
-            self.active -= 1
-            self.sessions.discard(session)
-
-    def stop_all(self) -> None:
-        """Their clients get shutting_down now, not after uvicorn's graceful timeout."""
-        with self.lock:
-            sessions = list(self.sessions)
-        for session in sessions:
-            session.cancel(MeshnetError(errors.SHUTTING_DOWN, "the server is shutting down"))
-
-
-class ClientGone(Exception):
-    pass
-
-
 class Session:
     """One generation, iterated by a thread of its own; its events (token, done, error)
     reach the request through an asyncio queue. The slot is given back once the
     coordinator has ended the session."""
 
-    def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Slots,
+    def __init__(self, coordinator, tokens: list[int], max_tokens: int, sampling: Sampling | None, slots: Admission,
                  logprobs: int | None = None, scope: str = ""):
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -232,97 +203,186 @@ def route_limits(coordinator) -> tuple[int, int]:
     return min(w["n_ctx"] for w in workers), min(w["max_sessions"] for w in workers)
 
 
-class Completions:
-    """The completions of one server: its coordinator, the model it serves and its slots."""
+class Started:
+    """A request admitted and under way: its session and first event, the prompt's tokens,
+    the tools its answer may call (PLAN) and what it asked of the answer."""
 
-    def __init__(self, coordinator, model: str):
+    def __init__(self, session: Session, first, tokens: list[int], plan, stops: list[str], logprobs: bool):
+        self.session, self.first, self.tokens, self.plan = session, first, tokens, plan
+        self.stops, self.logprobs = stops, logprobs
+
+
+class Completions:
+    """The completions of one server: its coordinator, the model it serves, its slots and
+    the queue of requests waiting for one."""
+
+    def __init__(self, coordinator, model: str, admission: Admission | None = None):
         self.coordinator, self.model = coordinator, model
-        self.slots = Slots()
+        self.slots = admission or Admission()
         self.caps: dict | None = None   # the chat template's capabilities, asked of the head once
 
-    async def tool_plan(self, tools: ToolRequest, messages: list[dict]):
+    def tool_plan(self, tools: ToolRequest, messages: list[dict], limit: int):
         """How the answer calls TOOLS (serve/tools.py): in the template's own format where
-        it has one, else in the generic one (None: a plain chat)."""
-        def plan():
-            if self.caps is None:
-                self.caps = self.coordinator.chat_apply({"messages": [{"role": "user", "content": "hi"}]})["caps"]
-            n_ctx, _ = route_limits(self.coordinator)
-            return plan_of(tools, self.caps, self.coordinator, messages, n_ctx - 1)
-        return await run_in_threadpool(plan)
+        it has one, else in the generic one. Blocks: run in a thread."""
+        if self.caps is None:
+            self.caps = self.coordinator.chat_apply({"messages": [{"role": "user", "content": "hi"}]})["caps"]
+        return plan_of(tools, self.caps, self.coordinator, messages, limit)
 
-    async def answer(self, request: Request, body, chat: bool, tokens_of, max_tokens: int | None, plan=None):
-        """The response to a checked request: TOKENS_OF(limit) gives the prompt's tokens;
-        PLAN: the tools the answer may call (serve/tools.py)."""
+    async def answer(self, request: Request, body, chat: bool, prepare, max_tokens: int | None):
+        """The response to a checked request. Once it has a slot, PREPARE(limit) (in a
+        thread) gives (plan, tokens): the tools the answer may call (serve/tools.py; None:
+        none) and the prompt's tokens, at most LIMIT of them."""
         if body.model != self.model:
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
                            code="model_not_found", param="model")
         if body.n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
                            param="n")
-        sampling = sampling_of(body, plan)
-        logprobs = body.logprobs_asked()
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        stops += plan.stops if plan is not None else []
-        session, tokens = await self._open(chat, tokens_of, max_tokens, sampling, logprobs, cache_scope(request, body))
-        try:   # the session's first event: an error before it is the request's status
-            first = await session.next(request)
+        start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens))
+        handed_on = False   # to a stream that goes on waiting for it
+        try:
+            if body.stream:
+                await asyncio.wait({start}, timeout=KEEPALIVE_AFTER_S)
+                if not start.done():   # an error now goes in the stream
+                    handed_on = True
+                    return _event_stream(_kept_alive(self._stream(request, body, chat, start), KEEPALIVE_S))
+            started = await start
         except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_on and not start.done():   # (this handler was cancelled)
+                start.cancel()
+        if body.stream:
+            return _event_stream(self._stream(request, body, chat, start))
+        answer = Answer(started.session, started.first, started.stops, logprobs=started.logprobs)
+        try:
+            text = "".join([t async for t in answer.texts(request)])
+        except ClientGone:
+            return Response(status_code=499)
+        entries, _ = answer.take_logprobs()
+        content, calls = _parsed(started.plan, text) if started.plan is not None else (text, None)
+        return dict(self._head(chat, False), usage=_usage(started.tokens, answer),
+                    choices=[choice(chat, content, "tool_calls" if calls else answer.finish_reason, False,
+                                    logprobs_of(chat, entries), calls)])
+
+    def _head(self, chat: bool, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "object": kind,
+                "created": int(time.time()), "model": self.model}
+
+    async def _stream(self, request: Request, body, chat: bool, start: asyncio.Future):
+        """A streamed answer's events, from a request that may still wait for its start."""
+        answer = None
+        try:
+            try:
+                started = await start
+            except (ApiError, MeshnetError) as e:
+                yield _stream_ended_by(e)
+                return
+            except ClientGone:
+                return
+            answer = Answer(started.session, started.first, started.stops, logprobs=started.logprobs)
+            head, plan = self._head(chat, True), started.plan
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            if plan is not None and not plan.streams_content:   # (one in JSON is whole first)
+                try:
+                    text = "".join([t async for t in answer.texts(request)])
+                except MeshnetError as e:
+                    yield _stream_ended_by(e)
+                    return
+                except ClientGone:
+                    return
+                entries, _ = answer.take_logprobs()
+                content, calls = _parsed(plan, text)
+                events = _whole_events(head, content, calls, "tool_calls" if calls else answer.finish_reason,
+                                       logprobs_of(chat, entries),
+                                       _usage(started.tokens, answer) if include_usage else None)
+            elif plan is not None:
+                events = _tool_events(request, answer, head, plan, started.tokens, include_usage)
+            else:
+                events = _events(request, answer, head, chat, started.tokens, include_usage)
+            async for event in events:
+                yield event
+        finally:
+            if not start.done():
+                start.cancel()
+            elif answer is None and not start.cancelled() and start.exception() is None:
+                start.result().session.cancel()   # (never read: its client went away first)
+                start.result().session.close()
+
+    async def _start(self, request: Request, body, chat: bool, prepare, max_tokens: int | None) -> Started:
+        """A slot (waiting in the queue for one), the prompt, the session and its first
+        event: an error before that one is the request's status."""
+        n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
+        await self.slots.take(n_slots, request.is_disconnected)
+        session = None
+        try:
+            plan, tokens = await run_in_threadpool(self._prompt, prepare, n_ctx, chat)
+            sampling = sampling_of(body, plan)
+            logprobs = body.logprobs_asked()
+            stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+            stops += plan.stops if plan is not None else []
+            session = Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots,
+                              logprobs, cache_scope(request, body))
+        except BaseException:
+            if session is None:
+                self.slots.give()
+            raise
+        try:
+            first = await session.next(request)
+        except BaseException:
             session.cancel()
             session.close()
-            return Response(status_code=499)
+            raise
         if first[0] == "error":
             raise ApiError.of(session.reason or first[1])
-        answer = Answer(session, first, stops, logprobs=logprobs is not None)
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model}
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if not body.stream or (plan is not None and not plan.streams_content):   # (one in JSON is whole first)
-            try:
-                text = "".join([t async for t in answer.texts(request)])
-            except ClientGone:
-                return Response(status_code=499)
-            entries, _ = answer.take_logprobs()
-            content, calls = _parsed(plan, text) if plan is not None else (text, None)
-            finish = "tool_calls" if calls else answer.finish_reason
-            if not body.stream:
-                return dict(head, choices=[choice(chat, content, finish, False, logprobs_of(chat, entries), calls)],
-                            usage=_usage(tokens, answer))
-            head["object"] = "chat.completion.chunk"
-            return StreamingResponse(_whole_events(head, content, calls, finish, logprobs_of(chat, entries),
-                                                   _usage(tokens, answer) if include_usage else None),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        events = (_tool_events(request, answer, head, plan, tokens, include_usage) if plan is not None
-                  else _events(request, answer, head, chat, tokens, include_usage))
-        return StreamingResponse(events,
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return Started(session, first, tokens, plan, stops, logprobs is not None)
 
-    async def _open(self, chat: bool, tokens_of, max_tokens: int | None, sampling: Sampling | None,
-                    logprobs: int | None, scope: str) -> tuple[Session, list[int]]:
-        """A slot and a session for the prompt; ApiError when either cannot be had."""
-        n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
-        if not self.slots.take(n_slots):
-            raise ApiError(429, f"all {n_slots} session slots are in use: retry in a moment",
-                           code=errors.TOO_MANY_SESSIONS)
+    @staticmethod
+    def _prompt(prepare, n_ctx: int, chat: bool):
+        """PREPARE's (plan, tokens) within the context: a prompt that cannot leave room for
+        one new token is refused by the head's tokenizer, or before it by its length alone,
+        so a client's megabytes never hold a stage."""
         try:
-            # a prompt that cannot leave room for one new token is refused by the head's
-            # tokenizer, or before it by its length alone: a client's megabytes never hold a stage
+            plan, tokens = prepare(n_ctx - 1)
+        except MeshnetError as e:
+            if e.code != errors.CONTEXT_FULL:
+                raise
+            raise ApiError(400, f"{e.message}: the context is {n_ctx}", code=errors.CONTEXT_FULL,
+                           param="messages" if chat else "prompt") from None
+        if len(tokens) >= n_ctx:
+            raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
+                           code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
+        return plan, tokens
+
+
+def _event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _kept_alive(events, every: float):
+    """EVENTS, with an SSE comment (which clients skip) whenever none came for EVERY seconds."""
+    pending = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
             try:
-                tokens = await run_in_threadpool(tokens_of, n_ctx - 1)
-            except MeshnetError as e:
-                if e.code != errors.CONTEXT_FULL:
-                    raise
-                raise ApiError(400, f"{e.message}: the context is {n_ctx}", code=errors.CONTEXT_FULL,
-                               param="messages" if chat else "prompt") from None
-            if len(tokens) >= n_ctx:
-                raise ApiError(400, f"the prompt is {len(tokens)} tokens: the context is {n_ctx}",
-                               code=errors.CONTEXT_FULL, param="messages" if chat else "prompt")
-            return Session(self.coordinator, tokens, max_tokens or n_ctx - len(tokens), sampling, self.slots,
-                           logprobs, scope), tokens
-        except BaseException:
-            self.slots.give()
-            raise
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(events.__anext__())
+    finally:
+        if not pending.done():
+            pending.cancel()
+            try:
+                await pending
+            except BaseException:
+                pass
+        await events.aclose()
 
 
 def cache_scope(request: Request, body) -> str:

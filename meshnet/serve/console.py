@@ -51,7 +51,7 @@ def state(coordinator, model: str, slots) -> dict:
              for s in stages[1:] if s.get("in_route")]
     return {
         "model": model, "time": time.time(), "route": report["route"] or [], "route_error": report.get("error"),
-        "stages": stages, "seams": seams, "sessions_active": slots.active,
+        "stages": stages, "seams": seams, **slots.console(),
         "tokens_total": counters.get("tokens", 0), "queue": sum(s.get("queue_depth") or 0 for s in stages),
         "prefix_hits": counters.get("prefix_hit_tokens", 0), "resumes": snapshot["resumes"],
         "failovers": snapshot.get("failovers", []), "sessions": snapshot["sessions"],

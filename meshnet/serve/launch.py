@@ -36,7 +36,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
-          stuck_after: float = defaults.STUCK_AFTER_S, echo=print) -> None:
+          stuck_after: float = defaults.STUCK_AFTER_S, max_queue: int = defaults.MAX_QUEUE,
+          queue_wait: float = defaults.QUEUE_WAIT_S, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -48,7 +49,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
 
     def run(coordinator, where: str):
         host, port = sock.getsockname()[:2]
-        app = create_app(coordinator, model_id(model), api_key=api_key, stuck_after=stuck_after)
+        app = create_app(coordinator, model_id(model), api_key=api_key, stuck_after=stuck_after, max_queue=max_queue,
+                         queue_wait=queue_wait)
 
         class Server(uvicorn.Server):
             async def shutdown(self, sockets=None):

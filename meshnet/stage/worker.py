@@ -45,7 +45,7 @@ from meshnet.stage.prefix_store import PrefixStore, store_capacity, store_refusa
 
 log = logging.getLogger("meshnet.stage.worker")
 
-MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy"
+MAX_TEXT_JOBS = 8         # tokenize/detokenize requests waiting before "busy", beyond one per session
 RECENT_RIDS = 4096        # request ids remembered to refuse duplicates
 LOADING_POLL_MS = 20      # how often the socket loop looks at a range being loaded
 # test-only fault switch: "wrong_logits" makes a tail worker corrupt the logits it returns,
@@ -104,7 +104,9 @@ class StageWorker:
         self.holds_sessions = False   # an OPEN came since the sessions were last all dropped
         # jobs waiting for the stage loop, by kind, each with its own bound
         self.queued: collections.Counter = collections.Counter()
-        self.queue_limits = {"text": MAX_TEXT_JOBS, "control": 4 * config.max_sessions + 16}
+        # (serve asks for a prompt's tokens only once a request has a session slot: a burst
+        # waits in its queue, not in this one)
+        self.queue_limits = {"text": MAX_TEXT_JOBS + config.max_sessions, "control": 4 * config.max_sessions + 16}
         self.recent_rids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.stopping = False
         self.requests: collections.Counter = collections.Counter()   # by message type

@@ -56,6 +56,8 @@ function renderFigures(state) {
   const tps = last ? (state.tokens_total - last[1]) / Math.max(state.time - last[0], 1e-3) : 0;
   $("tps").textContent = tps.toFixed(1);
   $("sessions").textContent = state.sessions_active;
+  $("waiting").textContent = state.queued;
+  $("wait").textContent = state.queue_wait_mean_s === null ? "-" : state.queue_wait_mean_s;
   $("queue").textContent = state.queue;
   $("prefix").textContent = state.prefix_hits;
   $("resumes").textContent = state.resumes ? state.resumes.count : 0;
