@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda reference test-models python model test test-unit run check-patches clean distclean
+.PHONY: all engine engine-cuda reference llama-server test-models python model test test-unit run check-patches clean distclean
 
 all: engine python model
 
@@ -135,6 +135,17 @@ $(REFERENCE)/invariant/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES
 	cmake -S tools/reference -B $(REFERENCE)/invariant -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
 	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-invariant.log
 	cmake --build $(REFERENCE)/invariant --target meshnet-reference -j $(JOBS)
+
+# llama-server from the pristine pin with the tree's own options (no web UI): what
+# tools/bench_serve.py sets `meshnet serve` beside. Neither `make` nor `make test` needs it.
+LLAMA_SERVER_DIR := $(BUILD)/llama-server
+llama-server: $(LLAMA_SERVER_DIR)/bin/llama-server
+
+$(LLAMA_SERVER_DIR)/bin/llama-server: $(PRISTINE)/.stamp
+	cmake -S $(PRISTINE) -B $(LLAMA_SERVER_DIR) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+	    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF > $(LLAMA_SERVER_DIR).log
+	cmake --build $(LLAMA_SERVER_DIR) --target llama-server -j $(JOBS)
 
 # the stamp lives in the venv, so a new or deleted venv gets meshnet installed again
 $(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)
