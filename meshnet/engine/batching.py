@@ -52,6 +52,16 @@ class StepResult:
     draws: list[int] | None = None         # the tail, a verify step: its draws kept (token is the last)
 
 
+def group_size(n_decoding: int, groups: int, max_entries: int) -> int:
+    """Entries a head's batch takes so that N_DECODING sessions go round a route of
+    pipelining stages as GROUPS micro-batches: while one group is computed here, the
+    others are in the stages after, and no stage waits for the rest (one batch of every
+    session would leave all stages but one idle)."""
+    if groups <= 1 or n_decoding <= 1:
+        return max_entries
+    return max(1, min(max_entries, -(-n_decoding // groups)))
+
+
 def take_batch(waiting: collections.deque, max_entries: int, max_rows: int) -> list[Step]:
     """Remove and return the steps to run together (see the module's rule). Steps of
     one session stay in order: once one of a session's steps is left waiting, so are

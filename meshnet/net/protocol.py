@@ -33,7 +33,7 @@ from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError
                                 curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
                                 top_logprobs, u64)
 
-VERSION = 11  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 12  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
@@ -43,7 +43,8 @@ VERSION = 11  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device
               #    logprobs in OPEN, and each token's in TOKEN; 9: CHAT;
               # 10: weights over the mesh (HOLDERS, MANIFEST, FETCH);
               # 11: OPEN's grammar in its payload frame (bounded apart from the header);
-              #     the manifest's per-tensor hashes vouched for by the coordinator
+              #     the manifest's per-tensor hashes vouched for by the coordinator;
+              # 12: the head's micro-batches (groups) in OPEN
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -125,6 +126,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "logits": (BOOL, False, None),             # the tail sends each token's logits
         "hop_clock": (BOOL, False, None),          # the previous stage shares this host's clock: time the hop
         "gather": (BOOL, False, None),             # the head: gather decode steps (the stages share CPUs)
+        "groups": (INT, False, lambda v: 1 <= v <= 1 << 16),   # the head: micro-batches to keep in flight
+                                                  # (the route's stages, when they pipeline)
         "next_key": (STR, False, curve_key),      # CURVE routes: the next hop's public key (its data endpoint)
         "prev_key": (STR, False, curve_key),      # ... and the previous stage's, which may push to this one
         "sampling": (DICT, False, sampling),      # the tail: sample with these (meshnet.core.sampling.Sampling) ...

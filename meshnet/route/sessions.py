@@ -350,6 +350,7 @@ class SessionTable:
                 stop_at_eog=gen.rule.stop_at_eog, logits=True if i == last and session.want_logits else None,
                 hop_clock=i > 0 and route[i - 1].capability.clock_id == worker.capability.clock_id,
                 gather=True if i == 0 and gather else None,
+                groups=len(route) if i == 0 and not gather and len(route) > 1 else None,
                 # with CURVE each stage learns the keys of its two neighbours in the ring
                 next_key=route[(i + 1) % len(route)].public_key, prev_key=route[i - 1].public_key,
                 # the tail samples, knowing the tokens so far (its penalties look back on them)

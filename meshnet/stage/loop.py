@@ -28,7 +28,7 @@ from meshnet.core.logprobs import logprobs
 from meshnet.core.metrics import percentiles
 from meshnet.core.prefix import BLOCK
 from meshnet.core.trace import Timeline
-from meshnet.engine.batching import Step, StepResult, run_batch, take_batch
+from meshnet.engine.batching import Step, StepResult, group_size, run_batch, take_batch
 from meshnet.engine.binding import Stage
 from meshnet.net import protocol as P
 from meshnet.net import security, sockets
@@ -92,6 +92,7 @@ class StageLoop(threading.Thread):
         self.dropped: collections.Counter = collections.Counter()   # data messages not used, by reason
         self.forwards = 0
         self.batched_entries = 0
+        self.largest_batch = 0   # the most entries one forward call took
         self.compute_us_total = 0
         self.seam_bytes_in = 0
         self.hops_us: collections.deque = collections.deque(maxlen=HOPS_KEPT)
@@ -204,6 +205,7 @@ class StageLoop(threading.Thread):
             "vram_bytes": info.device_bytes,
             "forwards": self.forwards,
             "batched_entries": self.batched_entries,
+            "largest_batch": self.largest_batch,
             "compute_us_total": self.compute_us_total,
             "waiting": len(self.waiting),
             "seam_bytes_in": self.seam_bytes_in,
@@ -263,7 +265,7 @@ class StageLoop(threading.Thread):
         self.sessions[job.sid] = StageSession(
             job.sid, m["key"], m["stage"], m["next"], m["reply"], m["prompt_len"],
             StopRule(m["max_tokens"], m["stop_at_eog"]), m.get("logits", False), m.get("hop_clock", False),
-            gather=m.get("gather", False), restored=cached,
+            gather=m.get("gather", False), groups=m.get("groups", 1), restored=cached,
             sampler=(sampling, history, grammar_from) if cached and sampling is not None else None,
             speculate=speculate, logprobs=m.get("logprobs") if self.info.is_tail else None)
         if speculate and self.info.is_head:
@@ -488,9 +490,17 @@ class StageLoop(threading.Thread):
             return 0.0
         return max(0.0, GATHER_MAX - (time.monotonic() - min(s.meta.arrived for s in self.waiting)))
 
+    def _batch_entries(self) -> int:
+        """Entries one forward call takes: the stage's sessions, or, at the head of a route
+        whose stages pipeline, the decoding sessions' share of one of its micro-batches."""
+        if not self.info.is_head:
+            return self.info.max_sessions
+        decoding = [s for s in self.sessions.values() if s.decoding]
+        return group_size(len(decoding), max((s.groups for s in decoding), default=1), self.info.max_sessions)
+
     def _run_one_batch(self) -> None:
         with self.lock:
-            steps = [s for s in take_batch(self.waiting, self.info.max_sessions, self.info.n_batch)
+            steps = [s for s in take_batch(self.waiting, self._batch_entries(), self.info.n_batch)
                      if s.sid not in self.cancelled]
             self.running = {s.sid for s in steps}
         if not steps:
@@ -511,6 +521,7 @@ class StageLoop(threading.Thread):
                 self.timeline.span("forward", s.sid, s.pos, s.n, started, ended)
         self.forwards += 1
         self.batched_entries += len(steps)
+        self.largest_batch = max(self.largest_batch, len(steps))
         for result in results:
             self._pass_on(result)
 

@@ -26,6 +26,7 @@ class StageSession:
     want_logits: bool
     hop_clock: bool
     gather: bool = False       # the head: wait for every decoding session's step (stages share the CPUs)
+    groups: int = 1            # the head: micro-batches its decoding sessions make (stages that pipeline)
     decoding: bool = False     # the head has had a decode step of it
     restored: int = 0          # tokens restored from the prefix store until its first step (core/prefix.py)
     sampler: tuple | None = None   # ... and the tail's sampling and history, to set again if that cuts back

@@ -126,6 +126,22 @@ def test_four_concurrent_sessions_are_batched_and_each_gives_its_own_tokens_and_
         assert stage["batched_entries"] > stage["forwards"]
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two one-thread stages pipeline only on two CPUs or more")
+def test_stages_that_pipeline_keep_one_micro_batch_of_the_decoding_sessions_in_each_and_change_no_token(smollm2_path):
+    """Two one-thread stages on their own CPUs: the head splits four decoding sessions into
+    two groups of two, one computed in each stage at once (one batch of four would leave
+    a stage idle while the other computes); each session's tokens are the whole model's."""
+    with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=1024, max_sessions=1, n_threads=1) as whole:
+        expected = [whole.generate(whole.head.tokenize(p), 32, stop_at_eog=False).tokens for p in PROMPTS]
+    with cluster(smollm2_path, HALVES, threads=1) as c:
+        sessions = [c.coordinator.generate(c.coordinator.tokenize(p), 32, stop_at_eog=False) for p in PROMPTS]
+        results = [s.result(120) for s in sessions]
+        stats = c.coordinator.stage_stats()
+    assert [r.tokens for r in results] == expected
+    head = stats[0]   # the sessions shared forward calls, never more than two in one
+    assert head["batched_entries"] > head["forwards"] and head["largest_batch"] == 2, head
+
+
 def test_a_failing_step_among_concurrent_sessions_ends_only_its_own_session(smollm2_path, reference):
     with cluster(smollm2_path, HALVES) as c:
         good = [c.coordinator.generate(reference[p][0], 32, stop_at_eog=False) for p in PROMPTS[:3]]

@@ -8,7 +8,7 @@ import pytest
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.generation import FeedHead, Finish, Generation, StopRule, Token, tail_step
-from meshnet.engine.batching import Step, take_batch
+from meshnet.engine.batching import Step, group_size, take_batch
 
 EOG = 2
 
@@ -161,3 +161,15 @@ def test_a_batch_keeps_to_the_stage_limits():
     assert [s.sid for s in take_batch(waiting, 8, max_rows=300)] == [1]
     assert [s.sid for s in take_batch(waiting, 8, max_rows=300)] == [2]   # 301 rows would be too many
     assert [s.sid for s in take_batch(waiting, 8, max_rows=300)] == [3]
+
+
+def test_a_pipelining_head_splits_its_decoding_sessions_into_one_micro_batch_per_stage():
+    assert group_size(4, groups=2, max_entries=8) == 2     # two groups of two: one in each stage
+    assert group_size(5, groups=2, max_entries=8) == 3
+    assert group_size(4, groups=3, max_entries=8) == 2
+    assert group_size(1, groups=2, max_entries=8) == 8     # one session: nothing to split
+    assert group_size(16, groups=1, max_entries=8) == 8    # a gathering head (or one stage): one batch
+    assert group_size(64, groups=2, max_entries=8) == 8    # never past the stage's own limit
+    waiting = steps(*[(sid, 10, 1) for sid in range(1, 5)])
+    assert [s.sid for s in take_batch(waiting, group_size(4, 2, 8), 512)] == [1, 2]
+    assert [s.sid for s in take_batch(waiting, group_size(4, 2, 8), 512)] == [3, 4]
