@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 13
+#define MESHNET_ENGINE_ABI_VERSION 14
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -50,7 +50,8 @@ typedef enum {
     MESHNET_ERR_BAD_VALUE         = 15, /* a residual or logit that is not finite, or too large to be real */
     MESHNET_ERR_NO_TEMPLATE       = 16, /* the model has no chat template llama.cpp knows */
     MESHNET_ERR_NO_GPU            = 17, /* a GPU stage was asked of an engine without one */
-    MESHNET_ERR_CANNOT_ROLL_BACK  = 18  /* a recurrent state cannot be cut back to an earlier position */
+    MESHNET_ERR_CANNOT_ROLL_BACK  = 18, /* a recurrent state cannot be cut back to an earlier position */
+    MESHNET_ERR_KV_FULL           = 19  /* the stage's KV pool has no room for the session's next positions */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
@@ -95,6 +96,16 @@ typedef struct {
      * read so far, 0 to 1, and progress_user; answering 0 stops the load (MODEL_LOAD) */
     int32_t (*progress)(float fraction, void * user);
     void * progress_user;
+    /* 0: each session a KV stream of n_ctx cells (n_ctx x max_sessions in all); > 0: one KV
+     * pool of this many cells (rounded up to 256, at least n_ctx) that the sessions share,
+     * each holding up to n_ctx as it grows, with the tokens it would have alone; a session
+     * the pool has no room for gets MESHNET_ERR_KV_FULL, and no other session is touched.
+     * A model whose memory is not a plain KV cache (recurrent, hybrid, an indexer's cache)
+     * splits the pool evenly instead: a stream of min(n_ctx, pool_cells / max_sessions)
+     * cells per session, which info.n_ctx reports (info.pool_cells is then 0). An
+     * invariant-class pool computes in physical batches of 64 rows (n_ubatch 0), so that
+     * its attention scratch stays small beside the pool. */
+    int32_t pool_cells;
 } meshnet_stage_params;
 
 typedef struct {
@@ -123,6 +134,7 @@ typedef struct {
     int32_t  seam_width;      /* floats per residual row between stages: n_embd, or more where
                                  per-token state beside the residual crosses too (RWKV-7's
                                  first-layer value, Gemma 4's per-layer inputs) */
+    int32_t  pool_cells;      /* the KV pool's cells, which the sessions share; 0: a stream per session */
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other

@@ -8,6 +8,8 @@
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
 #include "llama-model.h"
 
 #include "chat.h"
@@ -27,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 
 #ifndef MESHNET_LLAMA_COMMIT
@@ -133,7 +136,16 @@ struct session_slot {
     int32_t                                     grammar_from = 0;
     size_t                                      grammar_fed  = 0;
     std::unique_ptr<llama_sampler, sampler_free> grammar_state;
+    // in a KV pool: the session's cells are blocks [first_block, first_block + n_blocks)
+    int32_t                                     first_block = -1;
+    int32_t                                     n_blocks    = 0;
 };
+
+// A KV pool's unit: a session's cells start on a multiple of it, as they start at cell 0 in
+// a cache of their own (llama.cpp pads a cache's attention to 256 cells), so that every
+// sum over its cells runs in the same SIMD lanes and order as alone (patch 0012)
+constexpr int32_t POOL_BLOCK = 256;
+constexpr uint32_t POOL_UBATCH = 64;   // a pooled invariant stage's physical batch (open_stage says why)
 
 // the draw for the token at position pos: splitmix64 of (seed, pos), so that each
 // position has its own stream whatever came before or was replayed
@@ -211,6 +223,12 @@ struct meshnet_stage {
     std::atomic<bool>         abort_requested{false};
     std::string               last_error;
     common_chat_templates_ptr chat_templates;   // the GGUF's Jinja template, parsed on first use
+    // one KV pool that the sessions share (pool_cells > 0): who holds each block of
+    // POOL_BLOCK cells (a slot's index, -1: free), and the caches whose cells are placed
+    std::vector<int32_t>          block_owner;
+    std::vector<llama_kv_cache *> placed_caches;
+
+    bool pooled() const { return !block_owner.empty(); }
 
     meshnet_status fail(meshnet_status status, std::string message) {
         last_error = std::move(message);
@@ -233,6 +251,162 @@ struct meshnet_stage {
 
 namespace {
 
+// The KV pool (a stage opened with pool_cells): each open session holds a run of blocks,
+// and its token at position p sits in cell first_block * POOL_BLOCK + p.
+
+void place(meshnet_stage * stage, session_slot & slot, int32_t first_block) {
+    for (llama_kv_cache * kv : stage->placed_caches) {
+        kv->seq_place(stage->seq_of(&slot), first_block < 0 ? -1 : first_block * POOL_BLOCK);
+    }
+}
+
+// the slot's blocks from KEEP on go back to the pool (all of them: it holds no place)
+void free_blocks(meshnet_stage * stage, session_slot & slot, int32_t keep = 0) {
+    if (!stage->pooled() || slot.first_block < 0) {
+        return;
+    }
+    for (int32_t b = slot.first_block + keep; b < slot.first_block + slot.n_blocks; ++b) {
+        stage->block_owner[b] = -1;
+    }
+    slot.n_blocks = std::min(slot.n_blocks, keep);
+    if (slot.n_blocks == 0) {
+        slot.first_block = -1;
+        place(stage, slot, -1);
+    }
+}
+
+// the first of NEED blocks in a row that are free or the slot ME's own, or -1
+int32_t find_run(const meshnet_stage * stage, int32_t need, int32_t me) {
+    int32_t run = 0;
+    for (int32_t b = 0; b < (int32_t) stage->block_owner.size(); ++b) {
+        const int32_t owner = stage->block_owner[b];
+        run = owner < 0 || owner == me ? run + 1 : 0;
+        if (run == need) {
+            return b - need + 1;
+        }
+    }
+    return -1;
+}
+
+// the slot's cells out of the pool (into SAVED) and its blocks free: what land() puts back
+meshnet_status lift(meshnet_stage * stage, session_slot & slot, std::vector<uint8_t> & saved) {
+    const int32_t me = stage->seq_of(&slot);
+    llama_memory_t mem = llama_get_memory(stage->ctx);
+    saved.clear();
+    if (llama_memory_seq_pos_max(mem, me) >= 0) {
+        saved.resize(llama_state_seq_get_size(stage->ctx, me));
+        if (llama_state_seq_get_data(stage->ctx, saved.data(), saved.size(), me) != saved.size()) {
+            return stage->fail(MESHNET_ERR_INTERNAL, format("saving session %llu's cells to move them in the KV pool "
+                               "failed: %s", (unsigned long long) slot.id, trimmed(tl_llama_errors).c_str()));
+        }
+        llama_memory_seq_rm(mem, me, -1, -1);
+    }
+    for (int32_t & owner : stage->block_owner) {
+        owner = owner == me ? -1 : owner;
+    }
+    slot.first_block = -1;
+    slot.n_blocks    = 0;
+    return MESHNET_OK;
+}
+
+// the slot (lifted) to blocks [first, first + need), its SAVED cells restored there: the
+// same bytes at the same offsets from its first cell
+meshnet_status land(meshnet_stage * stage, session_slot & slot, int32_t first, int32_t need,
+                    const std::vector<uint8_t> & saved) {
+    const int32_t me = stage->seq_of(&slot);
+    std::fill(stage->block_owner.begin() + first, stage->block_owner.begin() + first + need, me);
+    slot.first_block = first;
+    slot.n_blocks    = need;
+    place(stage, slot, first);
+    if (!saved.empty() && llama_state_seq_set_data(stage->ctx, saved.data(), saved.size(), me) != saved.size()) {
+        llama_memory_seq_rm(llama_get_memory(stage->ctx), me, -1, -1);
+        slot.lost = true;
+        return stage->fail(MESHNET_ERR_INTERNAL, format("moving session %llu's cells in the KV pool failed: %s",
+                           (unsigned long long) slot.id, trimmed(tl_llama_errors).c_str()));
+    }
+    return MESHNET_OK;
+}
+
+meshnet_status move_to(meshnet_stage * stage, session_slot & slot, int32_t first, int32_t need) {
+    std::vector<uint8_t> saved;
+    const meshnet_status status = lift(stage, slot, saved);
+    return status != MESHNET_OK ? status : land(stage, slot, first, need, saved);
+}
+
+// every session's blocks to the start of the pool, in order, leaving the free ones in one run
+meshnet_status pack(meshnet_stage * stage) {
+    std::vector<session_slot *> held;
+    for (auto & slot : stage->slots) {
+        if (slot.open && slot.first_block >= 0) {
+            held.push_back(&slot);
+        }
+    }
+    std::sort(held.begin(), held.end(), [](const session_slot * a, const session_slot * b) {
+        return a->first_block < b->first_block;
+    });
+    int32_t next = 0;
+    for (session_slot * slot : held) {
+        if (slot->first_block != next) {
+            const meshnet_status status = move_to(stage, *slot, next, slot->n_blocks);
+            if (status != MESHNET_OK) {
+                return status;
+            }
+        }
+        next += slot->n_blocks;
+    }
+    return MESHNET_OK;
+}
+
+// room in the pool for the slot's first N_CELLS positions: in place where the blocks after
+// its own are free, else in a run of free blocks elsewhere (its cells moved there), after
+// packing the others where only that makes such a run; KV_FULL when the pool has not the
+// blocks, which fails the entry that asked and no other session
+meshnet_status reserve(meshnet_stage * stage, session_slot & slot, int64_t n_cells) {
+    if (!stage->pooled()) {
+        return MESHNET_OK;
+    }
+    const int32_t need = (int32_t) ((n_cells + POOL_BLOCK - 1) / POOL_BLOCK);
+    if (need <= slot.n_blocks) {
+        return MESHNET_OK;
+    }
+    const int32_t me = stage->seq_of(&slot);
+    auto & owner = stage->block_owner;
+    if (slot.first_block >= 0 && slot.first_block + need <= (int32_t) owner.size() &&
+        std::all_of(owner.begin() + slot.first_block + slot.n_blocks, owner.begin() + slot.first_block + need,
+                    [](int32_t o) { return o < 0; })) {
+        std::fill(owner.begin() + slot.first_block + slot.n_blocks, owner.begin() + slot.first_block + need, me);
+        slot.n_blocks = need;
+        return MESHNET_OK;
+    }
+    int32_t at = find_run(stage, need, me);
+    if (at < 0) {
+        const int32_t n_free = (int32_t) std::count(owner.begin(), owner.end(), -1) + slot.n_blocks;
+        if (n_free < need) {
+            return stage->fail(MESHNET_ERR_KV_FULL,
+                    format("the stage's KV pool of %d cells holds %d free: session %llu needs %d more for %lld positions",
+                           (int) owner.size() * POOL_BLOCK, (n_free - slot.n_blocks) * POOL_BLOCK,
+                           (unsigned long long) slot.id, (need - slot.n_blocks) * POOL_BLOCK, (long long) n_cells));
+        }
+        // the others packed to the start, and this one after them: the free blocks then
+        // follow its own
+        std::vector<uint8_t> saved;
+        meshnet_status status = lift(stage, slot, saved);
+        if (status == MESHNET_OK) {
+            status = pack(stage);
+        }
+        if (status != MESHNET_OK) {
+            return status;
+        }
+        at = find_run(stage, need, me);
+        if (at < 0) {   // (n_free said there were: a bug, not the pool's size)
+            slot.lost = !saved.empty();
+            return stage->fail(MESHNET_ERR_INTERNAL, "the KV pool's free blocks made no run after packing");
+        }
+        return land(stage, slot, at, need, saved);
+    }
+    return move_to(stage, slot, at, need);
+}
+
 bool abort_callback(void * data) {
     return static_cast<meshnet_stage *>(data)->abort_requested.load(std::memory_order_relaxed);
 }
@@ -241,6 +415,29 @@ void write_error(char * err, size_t err_cap, const std::string & message) {
     if (err && err_cap > 0) {
         std::snprintf(err, err_cap, "%s", message.c_str());
     }
+}
+
+// The caches a pool places its sessions in (patch 0012): a unified cache, or the two of a
+// sliding-window model; false for any other memory, which a pool cannot hold
+bool find_placed_caches(meshnet_stage * stage) {
+    llama_memory_i * mem = llama_get_memory(stage->ctx);
+    stage->placed_caches.clear();
+    // these two classes exactly: a cache derived from them (an indexer's, a compressed
+    // one) keeps cells of its own that no base places
+    if (mem && typeid(*mem) == typeid(llama_kv_cache)) {
+        stage->placed_caches = { static_cast<llama_kv_cache *>(mem) };
+    } else if (mem && typeid(*mem) == typeid(llama_kv_cache_iswa)) {
+        auto * iswa = static_cast<llama_kv_cache_iswa *>(mem);
+        stage->placed_caches = { iswa->get_base(), iswa->get_swa() };
+    }
+    bool placeable = !stage->placed_caches.empty();
+    for (llama_kv_cache * kv : stage->placed_caches) {
+        placeable = placeable && kv->seq_place(0, -1);   // (one stream per sequence: nothing to place)
+    }
+    if (!placeable) {
+        stage->placed_caches.clear();
+    }
+    return placeable;
 }
 
 meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage, std::string & err) {
@@ -264,10 +461,10 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     if (p->n_ctx < 1 || p->max_sessions < 1 || p->max_sessions > 256 || p->n_batch < 1 ||
-        p->n_ubatch < 0 || p->n_threads < 0) {
+        p->n_ubatch < 0 || p->n_threads < 0 || p->pool_cells < 0 || (p->pool_cells > 0 && p->pool_cells < p->n_ctx)) {
         err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
-                     "n_ubatch=%d (>= 0), n_threads=%d (>= 0)",
-                     p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads);
+                     "n_ubatch=%d (>= 0), n_threads=%d (>= 0), pool_cells=%d (0, or at least n_ctx)",
+                     p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads, p->pool_cells);
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
 
@@ -360,16 +557,34 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
 
+    // a pool: one unified cache of pool_cells that the sessions share, each placed in
+    // blocks of its own; else (or one session) a stream of n_ctx cells per session
+    // (a recurrent or hybrid model's graph is not built for a unified cache: llama.cpp aborts)
+    const bool pooled = p->pool_cells > 0 && p->max_sessions > 1 && !llama_model_is_recurrent(stage->model) &&
+                        !llama_model_is_hybrid(stage->model);
+    // a pool asked of a memory that cannot share it is split evenly: the memory is the
+    // pool's either way, and each session's context what its share holds
+    const int32_t even_share   = p->pool_cells > 0 ? std::max(1, std::min(p->n_ctx, p->pool_cells / p->max_sessions))
+                                                   : p->n_ctx;
+    const int32_t n_ctx_stream = pooled ? p->n_ctx : even_share;
+    const uint32_t pool_cells = (uint32_t) GGML_PAD(p->pool_cells, POOL_BLOCK);
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx           = (uint32_t) p->n_ctx * (uint32_t) p->max_sessions;
+    cparams.n_ctx           = pooled ? pool_cells : (uint32_t) n_ctx_stream * (uint32_t) p->max_sessions;
     cparams.n_seq_max       = (uint32_t) p->max_sessions;
-    cparams.kv_unified      = false;   // each session attends over its own cells only
+    cparams.kv_unified      = pooled;   // without a pool each session attends over its own stream
     // a sliding-window layer keeps the whole context's cells (llama.cpp's default): a session
     // can then be cut back to any position, and its cells lie as they would without a window;
     // the planner counts it so
     cparams.swa_full        = true;
     cparams.n_batch         = (uint32_t) p->n_batch;
     cparams.n_ubatch        = (uint32_t) (p->n_ubatch > 0 ? std::min(p->n_ubatch, p->n_batch) : p->n_batch);
+    // llama.cpp's attention scratch is rows x attended cells x heads: with a pool's cells
+    // and n_batch rows it would outgrow the pool. The invariant class's rows do not depend
+    // on how they are batched, so its pooled stage computes in physical batches of 64
+    const uint32_t n_ubatch_streams = cparams.n_ubatch;
+    if (pooled && invariant && p->n_ubatch == 0) {
+        cparams.n_ubatch = std::min<uint32_t>(POOL_UBATCH, cparams.n_ubatch);
+    }
     cparams.n_threads       = n_threads;
     cparams.n_threads_batch = n_threads;
     cparams.embeddings      = !is_tail;  // before the tail the residual of every token is the output
@@ -385,9 +600,21 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.offload_kqv = p->gpu != 0;   // the KV cache beside the layers that use it
     cparams.op_offload  = p->gpu != 0;   // a CPU stage never sends a large batch's work to a GPU
     stage->ctx = llama_init_from_model(stage->model, cparams);
+    if (stage->ctx && pooled && !find_placed_caches(stage)) {
+        // a memory llama.cpp keeps otherwise (a recurrent state, a hybrid, a compressed
+        // cache): each session a stream of its own, as without a pool
+        llama_free(stage->ctx);
+        cparams.n_ctx      = (uint32_t) even_share * (uint32_t) p->max_sessions;
+        cparams.kv_unified = false;
+        cparams.n_ubatch   = n_ubatch_streams;
+        stage->ctx = llama_init_from_model(stage->model, cparams);
+    }
     if (!stage->ctx) {
         err = format("llama.cpp could not create a context for '%s': %s", p->model_path, trimmed(tl_llama_errors).c_str());
         return MESHNET_ERR_MODEL_LOAD;
+    }
+    if (!stage->placed_caches.empty()) {
+        stage->block_owner.assign(llama_n_ctx(stage->ctx) / POOL_BLOCK, -1);
     }
     // a thread pool of our own that sleeps between forward passes: with ggml's default
     // (a pool per pass whose threads spin-poll) a stage's idle threads steal the cores
@@ -418,8 +645,9 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     info.layer_end    = il_end;
     info.is_head      = il_start == 0;
     info.is_tail      = is_tail;
-    info.n_ctx        = p->n_ctx;
+    info.n_ctx        = stage->pooled() ? p->n_ctx : even_share;
     info.max_sessions = p->max_sessions;
+    info.pool_cells   = stage->pooled() ? (int32_t) llama_n_ctx(stage->ctx) : 0;
     info.n_batch      = p->n_batch;
     ggml_backend_dev_t processor = p->gpu ? devices[0] : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     std::snprintf(info.backend, sizeof(info.backend), "%s",
@@ -502,6 +730,14 @@ meshnet_status check_entry(meshnet_stage * stage, const meshnet_entry & e, int32
         return stage->fail(MESHNET_ERR_CONTEXT_FULL,
                 format("entry %d: positions %d..%d are past the context of %d tokens per session",
                        index, e.pos, e.pos + e.n_tokens - 1, info.n_ctx));
+    }
+    // a model with a learned table of positions (GPT-2's) has none past its trained context:
+    // llama.cpp would read outside the table and abort the process
+    const int64_t n_trained = (int64_t) stage->model->hparams.n_ctx_train;
+    if (stage->model->pos_embd && (int64_t) e.pos + e.n_tokens > n_trained) {
+        return stage->fail(MESHNET_ERR_CONTEXT_FULL,
+                format("entry %d: positions %d..%d are past this model's table of %lld learned positions",
+                       index, e.pos, e.pos + e.n_tokens - 1, (long long) n_trained));
     }
     if (info.is_head) {
         if (!e.tokens) {
@@ -933,6 +1169,12 @@ meshnet_status forward(meshnet_stage * stage, const meshnet_entry * entries, int
     if (status != MESHNET_OK) {
         return status;
     }
+    for (int32_t i = 0; i < n_entries; ++i) {
+        status = reserve(stage, *stage->find(entries[i].session_id), (int64_t) entries[i].pos + entries[i].n_tokens);
+        if (status != MESHNET_OK) {
+            return status;
+        }
+    }
     forward_pass pass(stage, entries, n_entries, out);
     for (const std::vector<int32_t> & call : plan_calls(stage, entries, n_entries)) {
         if (!call.empty() && (status = pass.run(call)) != MESHNET_OK) {
@@ -1133,6 +1375,7 @@ meshnet_status meshnet_session_open(meshnet_stage * stage, uint64_t session_id) 
     for (auto & slot : stage->slots) {
         if (!slot.open) {
             llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(&slot), -1, -1);
+            free_blocks(stage, slot);
             slot = session_slot();
             slot.open = true;
             slot.id   = session_id;
@@ -1152,6 +1395,7 @@ meshnet_status meshnet_session_release(meshnet_stage * stage, uint64_t session_i
         return stage->fail(MESHNET_ERR_UNKNOWN_SESSION, format("session %llu is not open", (unsigned long long) session_id));
     }
     llama_memory_seq_rm(llama_get_memory(stage->ctx), stage->seq_of(slot), -1, -1);
+    free_blocks(stage, *slot);
     *slot = session_slot();
     return MESHNET_OK;
 }
@@ -1175,6 +1419,7 @@ meshnet_status meshnet_session_truncate(meshnet_stage * stage, uint64_t session_
                        n_keep, slot->n_tokens, n_keep));
     }
     slot->n_tokens = n_keep;
+    free_blocks(stage, *slot, (n_keep + POOL_BLOCK - 1) / POOL_BLOCK);
     if (slot->history.size() > (size_t) n_keep) {
         slot->history.resize(n_keep);   // the tokens after n_keep may be chosen again
     }
@@ -1247,6 +1492,10 @@ meshnet_status meshnet_session_restore(meshnet_stage * stage, uint64_t session_i
     llama_memory_t mem = llama_get_memory(stage->ctx);
     const llama_seq_id seq = stage->seq_of(slot);
     tl_llama_errors.clear();
+    const meshnet_status room = reserve(stage, *slot, n_tokens);
+    if (room != MESHNET_OK) {
+        return room;
+    }
     try {
         const size_t read = llama_state_seq_set_data(stage->ctx, static_cast<const uint8_t *>(buf), size, seq);
         const llama_pos held = llama_memory_seq_pos_max(mem, seq) + 1;

@@ -73,6 +73,8 @@ CONTEXT_FULL = _code("context_full", 5, "the prompt and the tokens asked for do 
                      http=400, engine=8)
 BAD_TOKEN = _code("bad_token", 5, "a token id outside the model's vocabulary", http=400, engine=6)
 BAD_WIDTH = _code("bad_width", 5, "residual rows whose shape is not (n_tokens, seam_width)", engine=7)
+KV_FULL = _code("kv_full", 4, "a stage's KV pool has no room for a session's next positions: other sessions hold it",
+                http=503, engine=19)
 CANNOT_ROLL_BACK = _code("cannot_roll_back", 5, "a model with recurrent state cannot drop its last tokens (release the session, feed it again)",
                          engine=18)
 INVALID_ARGUMENT = _code("invalid_argument", 5, "an argument the operation cannot take (an empty prompt, bad UTF-8)",

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -193,6 +193,7 @@ class StageInfo:
     seam_width: int       # floats per residual row between stages: n_embd, or more where state
                           # beside the residual crosses too (RWKV-7's first-layer value, Gemma 4's
                           # per-layer inputs)
+    pool_cells: int       # the KV pool's cells, which the sessions share; 0: a stream of n_ctx per session
 
 
 @dataclass
@@ -251,8 +252,11 @@ class Stage:
         gpu: bool = False,
         numerics: str | None = None,
         progress: Callable[[float], None] | None = None,
+        pool_cells: int = 0,
     ):
-        """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1)."""
+        """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1).
+        POOL_CELLS: one KV pool of that many cells that the sessions share, each up to n_ctx
+        (meshnet_engine.h); 0: a KV stream of n_ctx cells per session."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -271,6 +275,7 @@ class Stage:
                 "flash_attn": flash_attn,
                 "gpu": gpu,
                 "numerics": numerics_classes.code(numerics or numerics_classes.default_for(gpu)),
+                "pool_cells": pool_cells,
             },
         )
         if progress is not None:
