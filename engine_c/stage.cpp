@@ -378,7 +378,15 @@ meshnet_status reserve(meshnet_stage * stage, session_slot & slot, int64_t n_cel
         slot.n_blocks = need;
         return MESHNET_OK;
     }
-    int32_t at = find_run(stage, need, me);
+    // a session that has to move takes room for twice what it holds where there is such a
+    // run, so that one growing beside others moves a few times, not at every block
+    const int32_t most = (stage->info.n_ctx + POOL_BLOCK - 1) / POOL_BLOCK;
+    const int32_t roomy = std::min(std::max(need, 2 * slot.n_blocks), std::max(need, most));
+    int32_t at = roomy > need ? find_run(stage, roomy, me) : -1;
+    if (at >= 0) {
+        return move_to(stage, slot, at, roomy);
+    }
+    at = find_run(stage, need, me);
     if (at < 0) {
         const int32_t n_free = (int32_t) std::count(owner.begin(), owner.end(), -1) + slot.n_blocks;
         if (n_free < need) {

@@ -41,6 +41,9 @@ from meshnet.launch.progress import load_bars
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True, help="context tokens per session")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=defaults.MAX_SESSIONS, show_default=True)
+@click.option("--kv-pool", type=click.IntRange(min=0), default=0, show_default=True,
+              help="cells of one KV pool the sessions share, each up to --ctx as it grows (at least --ctx); 0: each "
+                   "session its own --ctx cells. A recurrent or hybrid model keeps the latter")
 @click.option("--max-queue", type=click.IntRange(min=1), default=None, help="steps waiting on the stage before 'busy'")
 @click.option("--data-bind", default="tcp://127.0.0.1:0", show_default=True,
               help="where this stage takes its inputs from the previous stage (loopback unless you say otherwise)")
@@ -66,7 +69,8 @@ from meshnet.launch.progress import load_bars
                    "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
                    "most half the CPUs, so no stage beside it computes where it spins; else 0]")
 @prefix_cache_option
-def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, max_queue,
+def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, kv_pool,
+           max_queue,
            data_bind, cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu,
            numerics, trace, spin_ms, prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
@@ -117,7 +121,8 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
             holder = joined.holder
         path, sha256 = joined.model or models.resolve(model)
         config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,
-                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, n_threads=threads,
+                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
+                              n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
                               spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
                               coordinator_key=joined.coordinator_key, fetch=joined.fetch,

@@ -24,6 +24,9 @@ from meshnet.core.errors import MeshnetError
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=None,
               help=f"local workers: sessions at once; beyond them a request waits in the queue "
                    f"[default: {defaults.MAX_SESSIONS}]")
+@click.option("--kv-pool", type=click.IntRange(min=0), default=None,
+              help="local workers: cells of one KV pool each stage's sessions share, each up to --ctx (at least --ctx) "
+                   "[default: 0, --ctx cells per session]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=defaults.MAX_QUEUE, show_default=True,
               help="requests that may wait for a session slot; one beyond them gets 429")
 @click.option("--queue-wait", type=click.FloatRange(min=0), default=defaults.QUEUE_WAIT_S, show_default=True,
@@ -51,14 +54,14 @@ from meshnet.core.errors import MeshnetError
 @resume_options
 @prefix_cache_option
 @speculate_option
-def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, max_queue, queue_wait, bind, secret_file, allow_path, mem, announce,
+def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_pool, max_queue, queue_wait, bind, secret_file, allow_path, mem, announce,
           insecure, stuck_after, numerics, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
     from meshnet.serve.launch import serve as run_server
 
-    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions,
+    local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions, "--kv-pool": kv_pool,
              "--numerics": numerics,
              "--prefix-cache": prefix_cache_mib if click.get_current_context().get_parameter_source(
                  "prefix_cache_mib").name == "COMMANDLINE" else None}
@@ -93,7 +96,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, max_
                    mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
                    secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
-                   max_queue=max_queue, queue_wait=queue_wait,
+                   max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool or 0,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

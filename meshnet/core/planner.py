@@ -28,6 +28,9 @@ OVERHEAD = 96 << 20
 # the graph's own bookkeeping beside its tensors; with it the estimate of weights + KV +
 # compute is within 2% of what the engine reports (SmolLM2 and Qwen2.5-1.5B, head/tail)
 COMPUTE_SLACK = 4 << 20
+# a KV pool (engine_c/stage.cpp): its unit, and the rows of a pooled stage's physical batch
+POOL_BLOCK = 256
+POOL_ROWS = 64
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -149,10 +152,11 @@ class ModelCost:
 
 @dataclass(frozen=True)
 class Settings:
-    """What a worker is started with (meshnet worker --ctx, --max-sessions)."""
+    """What a worker is started with (meshnet worker --ctx, --max-sessions, --kv-pool)."""
     n_ctx: int = defaults.N_CTX
     n_sessions: int = defaults.MAX_SESSIONS
     n_batch: int = defaults.N_BATCH
+    kv_pool: int = 0          # cells of one KV pool the sessions share; 0: n_ctx cells each
 
 
 @dataclass(frozen=True)
@@ -185,13 +189,23 @@ def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Setti
                overhead: int = OVERHEAD) -> int:
     """Bytes a stage [start, end) takes: weights, KV for every session's context, the
     engine's compute buffers and the process overhead."""
-    kv = cost.memory_bytes(start, end, settings.n_ctx, settings.n_sessions)
     # llama.cpp's graph for a full batch: each head's attention scores over one
     # session's context, the F32 masks over it and the FFN's activations dominate; the
     # tail's logits for the batch share that buffer (the allocator reuses it), so the
     # larger of the two counts
-    compute = 4 * settings.n_batch * ((cost.n_head + cost.attention_masks) * cost.attended_cells(start, end, settings.n_ctx)
-                                      + cost.n_ff + 6 * cost.n_embd)
+    if settings.kv_pool:
+        # the pool's cells, whether its sessions share them or (a model whose memory cannot
+        # be shared: engine_c/stage.cpp) each holds an even share; a shared pool's
+        # attention covers all of it, for physical batches of POOL_ROWS rows
+        pool = -(-settings.kv_pool // POOL_BLOCK) * POOL_BLOCK
+        share = max(1, min(settings.n_ctx, pool // settings.n_sessions))
+        kv = cost.memory_bytes(start, end, -(-pool // settings.n_sessions), settings.n_sessions)
+        scores = max(POOL_ROWS * cost.attended_cells(start, end, pool),
+                     settings.n_batch * cost.attended_cells(start, end, share))
+    else:
+        kv = cost.memory_bytes(start, end, settings.n_ctx, settings.n_sessions)
+        scores = settings.n_batch * cost.attended_cells(start, end, settings.n_ctx)
+    compute = 4 * ((cost.n_head + cost.attention_masks) * scores + settings.n_batch * (cost.n_ff + 6 * cost.n_embd))
     if end == cost.n_layer:
         compute = max(compute, 4 * settings.n_batch * cost.n_vocab)
     compute += COMPUTE_SLACK

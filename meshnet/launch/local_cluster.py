@@ -155,6 +155,7 @@ class LocalCluster:
         threads: int = 0,
         n_ctx: int = defaults.N_CTX,
         max_sessions: int = defaults.LIBRARY_SESSIONS,
+        kv_pool: int = 0,
         max_queue: int | None = None,
         heartbeat_interval: float | None = None,
         heartbeat_liveness: int | None = None,
@@ -173,7 +174,8 @@ class LocalCluster:
         self.ranges = [_layer_range(r) for r in ranges]
         # one class for the whole route, a GPU stage's or not (a GPU runs stock)
         self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
-        self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, numerics=self.numerics,
+        self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
+                                   numerics=self.numerics,
                                    **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                                            heartbeat_liveness=heartbeat_liveness, prefix_cache_mib=prefix_cache_mib))
         if heartbeat_interval is not None:

@@ -30,6 +30,7 @@ FIELDS: dict[str, tuple] = {
     "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
     "max_sessions": (INT, True, at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, at_most(MAX_CTX)),
+    "kv_pool": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # cells of its sessions' shared KV pool
     "n_batch": (INT, True, at_most(MAX_BATCH)),
     "admitted_bytes": (INT, True, u64),
     "data_endpoint": (STR, False, endpoint),    # the PULL socket its inputs come to (once it holds layers)
@@ -130,6 +131,7 @@ class Capability:
     loading: tuple[int, int] | None = None
     weights: str | None = None
     fetches: bool | None = None
+    kv_pool: int = 0
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":
@@ -149,6 +151,8 @@ class Capability:
     def to_wire(self) -> dict:
         """The map a worker sends (and `meshnet status` shows): the fields that are set."""
         wire = {k: v for k, v in asdict(self).items() if v is not None and k != "cost"}
+        if not self.kv_pool:
+            del wire["kv_pool"]   # (no pool: as a worker without one sends it)
         for name in ("layers", "loading"):
             if getattr(self, name) is not None:
                 wire[name] = list(getattr(self, name))

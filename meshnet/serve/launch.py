@@ -37,7 +37,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
           stuck_after: float = defaults.STUCK_AFTER_S, max_queue: int = defaults.MAX_QUEUE,
-          queue_wait: float = defaults.QUEUE_WAIT_S, echo=print) -> None:
+          queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int = 0, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
     import uvicorn
@@ -73,7 +73,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
             if numerics == "stock" and max_sessions > 1:
                 echo("meshnet serve: numerics stock: one request alone gets stock llama.cpp's tokens; requests "
                      "batched together may get others (--numerics invariant holds them under any batching)")
-            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, secure=secure,
+            with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
+                              secure=secure,
                               numerics=numerics, prefix_cache_mib=prefix_cache_mib, progress=echo,
                               supervise=True, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")

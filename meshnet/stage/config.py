@@ -40,6 +40,7 @@ class WorkerConfig:
     model_sha256: str | None = None        # checked against the file by `meshnet worker` (models.resolve)
     n_ctx: int = defaults.N_CTX
     max_sessions: int = defaults.MAX_SESSIONS
+    kv_pool: int = 0                       # cells of one KV pool the sessions share (0: n_ctx cells per session)
     n_batch: int = defaults.N_BATCH
     n_threads: int = 0
     max_queue: int = MAX_QUEUE
@@ -78,6 +79,7 @@ class WorkerConfig:
                 "--model", str(self.model_path), "--layers", layers, "--threads", str(self.n_threads),
                 "--ctx", str(self.n_ctx), "--max-sessions", str(self.max_sessions)]
         optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics, "--trace": self.trace,
+                    "--kv-pool": self.kv_pool or None,
                     "--spin-ms": self.spin_ms,
                     "--prefix-cache": self.prefix_cache_mib if self.prefix_cache_mib != defaults.PREFIX_CACHE_MIB
                     else None,

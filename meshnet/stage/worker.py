@@ -142,7 +142,7 @@ class StageWorker:
         self.load_progress = 0.0
         stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                       n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
-                      numerics=config.numerics_class, progress=progress)
+                      numerics=config.numerics_class, progress=progress, pool_cells=config.kv_pool)
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
@@ -199,6 +199,7 @@ class StageWorker:
             "numerics": self.config.numerics_class,
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
+            **({"kv_pool": self.config.kv_pool} if self.config.kv_pool else {}),
             "n_batch": self.config.n_batch,
             "clock_id": clock_id(),
             "n_threads": self.config.n_threads or len(os.sched_getaffinity(0)),
@@ -247,7 +248,8 @@ class StageWorker:
         self.info = info
         self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
                                layers=[info.layer_start, info.layer_end], backend=info.backend, device=info.device,
-                               admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes)
+                               admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes,
+                               n_ctx=info.n_ctx)   # (what the stage holds: a pool a model cannot share splits evenly)
         if info.is_head:   # the coordinator refuses a text too long for any context before sending it here
             self.capability["max_token_bytes"] = max(len(stage.detokenize_bytes([t])) for t in range(info.n_vocab))
         self.max_payload = max(info.n_batch * info.seam_width, 1) * 4
@@ -383,7 +385,7 @@ class StageWorker:
         start, end = msg["layers"]
         if end > self.cost.n_layer:
             raise MeshnetError(E.BAD_RANGE, f"layers [{start},{end}) are outside the model's {self.cost.n_layer}")
-        settings = Settings(self.config.n_ctx, self.config.max_sessions, self.config.n_batch)
+        settings = Settings(self.config.n_ctx, self.config.max_sessions, self.config.n_batch, self.config.kv_pool)
         need = stage_need(self.cost, start, end, settings)
         if need > self.config.mem:
             raise MeshnetError(E.MODEL_DOES_NOT_FIT, f"layers [{start},{end}) need {format_size(need)}; this worker "

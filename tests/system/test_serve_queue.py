@@ -23,7 +23,8 @@ SETTLE_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    with serving("--ctx", "4096", "--max-sessions", str(SLOTS), "--max-queue", str(QUEUE),
+    """Two slots whose sessions share one KV pool per stage (the held streams grow through it)."""
+    with serving("--ctx", "4096", "--kv-pool", "8192", "--max-sessions", str(SLOTS), "--max-queue", str(QUEUE),
                  "--queue-wait", str(WAIT_S)) as (url, *_):
         yield url
 

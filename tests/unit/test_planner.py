@@ -151,3 +151,12 @@ def test_a_recurrent_stage_is_planned_by_its_state_not_by_a_context_of_kv():
     recurrent = stage_need(FAKE_HYBRID, 2, 3, settings, overhead=0)
     attention = stage_need(FAKE_HYBRID, 3, 4, settings, overhead=0)
     assert attention - recurrent > 8 * 1000 * 4096 - 8 * 5 * MIB - 1
+
+
+def test_a_kv_pool_costs_its_cells_however_many_sessions_share_it():
+    with_kv = ModelCost(**{**FAKE_MODEL.to_dict(), "kv_bytes_per_cell": 10})
+    kv = lambda settings: stage_need(with_kv, 0, 2, settings, overhead=0) - stage_need(FAKE_MODEL, 0, 2, settings, overhead=0)
+    streams = kv(Settings(n_ctx=2048, n_sessions=8))
+    assert kv(Settings(n_ctx=8192, n_sessions=8, kv_pool=16384)) == streams == 2 * 10 * 16384   # 2 layers
+    assert kv(Settings(n_ctx=8192, n_sessions=64, kv_pool=16384)) == streams   # 64 sessions in the same cells
+    assert kv(Settings(n_ctx=2048, n_sessions=64)) == 8 * streams               # 64 streams of 2048

@@ -18,7 +18,7 @@ def parsed(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize("config, key_files", [
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", (0, 15)), None),
-    (WorkerConfig("tcp://10.0.0.1:5555", "/models/m.gguf", (15, 30), n_ctx=512, max_sessions=3, n_threads=1,
+    (WorkerConfig("tcp://10.0.0.1:5555", "/models/m.gguf", (15, 30), n_ctx=512, max_sessions=3, kv_pool=4096, n_threads=1,
                   max_queue=4, data_bind="tcp://10.0.0.2:7000", cpu=1, heartbeat_interval=0.1,
                   heartbeat_liveness=20, gpu=True, numerics="stock", trace="/tmp/stage-1.json", spin_ms=5.0),
      ("/k/w.key_secret", "/k/c.key")),
@@ -29,10 +29,10 @@ def test_the_command_line_a_config_writes_parses_back_to_the_same_options(config
     layers = params["layers"]
     assert (None if layers is None else LayerRange.as_tuple(layers)) == config.layers
     assert (params["coordinator"], params["model"], params["mem"], params["threads"], params["n_ctx"],
-            params["max_sessions"], params["data_bind"], params["cpu"], params["gpu"], params["numerics"],
+            params["max_sessions"], params["kv_pool"], params["data_bind"], params["cpu"], params["gpu"], params["numerics"],
             params["trace"], params["spin_ms"]) == \
         (config.coordinator, config.model_path, config.mem, config.n_threads, config.n_ctx, config.max_sessions,
-         config.data_bind, config.cpu, config.gpu, config.numerics, config.trace, config.spin_ms)
+         config.kv_pool, config.data_bind, config.cpu, config.gpu, config.numerics, config.trace, config.spin_ms)
     # left out where they are the worker's defaults, so that the worker's own default stands
     assert (params["max_queue"] or config.max_queue, params["heartbeat_interval"] or config.heartbeat_interval,
             params["heartbeat_liveness"] or config.heartbeat_liveness) == \
