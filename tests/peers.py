@@ -33,6 +33,19 @@ def wait_until(predicate, timeout=10.0):
     return False
 
 
+def wait_for(read, condition, what, timeout=120.0):
+    """READ() until CONDITION holds of what it gave: that, or the test fails naming WHAT and
+    the last thing read (a state a server reaches on its own clock, bounded for a loaded
+    2-core machine, never one snapshot)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = read()
+        if condition(state):
+            return state
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s; last seen: {state}"
+        time.sleep(0.05)
+
+
 def start_worker(path, endpoint, layers, *extra, ctx=256, **popen):
     """A worker process for LAYERS, (A, B) or "auto" (then give --mem in EXTRA); killed at
     the end of the test that started it, however that ends, if it is still running then."""

@@ -20,6 +20,7 @@ from meshnet.engine.binding import Stage
 from meshnet.serve.completions import StopScanner
 
 from conftest import serving
+from peers import wait_for
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
@@ -47,17 +48,6 @@ def health(url, ok=(200,)):
         return json.loads(e.read())
     except urllib.error.URLError:
         return {"status": "starting"}
-
-
-def wait_for(read, condition, what, timeout=SETTLE_S):
-    """READ() until CONDITION holds of what it gave: that, or the test fails naming WHAT."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = read()
-        if condition(state):
-            return state
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s; last seen: {state}"
-        time.sleep(0.05)
 
 
 def wait_until_idle(url, timeout=SETTLE_S):

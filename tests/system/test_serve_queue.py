@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import serving
+from peers import wait_for
 
 MODEL = "smollm2"
 SLOTS, QUEUE, WAIT_S = 2, 2, 30
@@ -88,16 +89,6 @@ def urllib_get(url, path: str) -> str:
     connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
     connection.request("GET", path)
     return connection.getresponse().read().decode()
-
-
-def wait_for(read, condition, what, timeout=SETTLE_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if condition(value):
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s; last seen: {value}"
-        time.sleep(0.05)
 
 
 def queued(url) -> int:
