@@ -48,7 +48,7 @@ def test_slots_are_taken_at_once_then_requests_wait_and_are_served_first_come():
 
 def test_a_full_queue_refuses_at_once_and_a_wait_that_runs_out_is_refused():
     async def main():
-        admission = Admission(max_queue=1, max_wait=0.2)
+        admission = Admission(max_queue=1, max_wait=3.0)   # (past any stall of a loaded machine between the steps)
         await admission.take(1, never_gone)
         waiting = asyncio.ensure_future(admission.take(1, never_gone))
         await settle()
