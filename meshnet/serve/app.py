@@ -170,7 +170,8 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
             if plan is None:   # (no tools, or tool_choice none on a template that knows none)
                 return None, chat_prompt_tokens(coordinator, [generic_message(m) for m in messages], limit)
             return plan, plan.tokens(coordinator, messages, limit)
-        return await completions.answer(request, body, True, prepare, body.max_completion_tokens or body.max_tokens)
+        return await completions.answer(request, body, True, prepare, body.max_completion_tokens or body.max_tokens,
+                                        tools=tools is not None)
 
     @v1.post("/completions")
     async def text_completions(request: Request, body: CompletionRequest):

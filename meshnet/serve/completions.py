@@ -228,17 +228,21 @@ class Completions:
             self.caps = self.coordinator.chat_apply({"messages": [{"role": "user", "content": "hi"}]})["caps"]
         return plan_of(tools, self.caps, self.coordinator, messages, limit)
 
-    async def answer(self, request: Request, body, chat: bool, prepare, max_tokens: int | None):
+    async def answer(self, request: Request, body, chat: bool, prepare, max_tokens: int | None,
+                     tools: bool = False):
         """The response to a checked request. Once it has a slot, PREPARE(limit) (in a
         thread) gives (plan, tokens): the tools the answer may call (serve/tools.py; None:
-        none) and the prompt's tokens, at most LIMIT of them."""
+        none) and the prompt's tokens, at most LIMIT of them. TOOLS: the request has tools,
+        whose plan its sampling needs; without them a bad sampling field is refused before
+        the request waits for a slot."""
         if body.model != self.model:
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
                            code="model_not_found", param="model")
         if body.n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
                            param="n")
-        start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens))
+        sampling = None if tools else sampling_of(body)
+        start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens, tools, sampling))
         handed_on = False   # to a stream that goes on waiting for it
         try:
             if body.stream:
@@ -310,7 +314,8 @@ class Completions:
                 start.result().session.cancel()   # (never read: its client went away first)
                 start.result().session.close()
 
-    async def _start(self, request: Request, body, chat: bool, prepare, max_tokens: int | None) -> Started:
+    async def _start(self, request: Request, body, chat: bool, prepare, max_tokens: int | None, tools: bool,
+                     sampling: Sampling | None) -> Started:
         """A slot (waiting in the queue for one), the prompt, the session and its first
         event: an error before that one is the request's status."""
         n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
@@ -318,7 +323,7 @@ class Completions:
         session = None
         try:
             plan, tokens = await run_in_threadpool(self._prompt, prepare, n_ctx, chat)
-            sampling = sampling_of(body, plan)
+            sampling = sampling_of(body, plan) if tools else sampling
             logprobs = body.logprobs_asked()
             stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
             stops += plan.stops if plan is not None else []
