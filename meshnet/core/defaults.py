@@ -10,6 +10,9 @@ LIBRARY_SESSIONS = 4   # a Stage or LocalCluster opened from code, as tests and 
 # one waits before it is refused (a chat UI or an agent would rather wait than fail)
 MAX_QUEUE = 256
 QUEUE_WAIT_S = 300.0
+# a session whose next positions a stage's KV pool has no room for leaves its route and waits
+# in line this long at most, to be replayed once other sessions free room (route/sessions.py)
+PAUSE_WAIT_S = 300.0
 PREFIX_CACHE_MIB = 256  # per stage: ended sessions' memory kept for the next that start the same way (0: off)
 
 # seconds one step of a stage may run before serve's /health says the stage is stuck: far

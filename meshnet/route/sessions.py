@@ -10,7 +10,11 @@ Effects (events.py): Request to a stage, Push a prompt chunk, Emit to the caller
 A session is OPENING until every stage of its route confirmed it, then RUNNING, and
 follows the generation state machine (core/generation.py). A stage lost makes it LOST:
 it leaves the stages left and waits for a route (a spare, or a worker that registers
-within resume_wait) to be replayed on, at most max_resumes times; then ENDED. Because
+within resume_wait) to be replayed on, at most max_resumes times; then ENDED. A stage
+whose KV pool has no room for it makes it PAUSED: it leaves its route, so its cells are
+free, and waits its turn (the sessions paused before it first, those opened after it
+behind) to be replayed exactly, on the same kind of route, once another session ends or
+a resumed one decodes; never another session's loss. Because
 the table only returns effects, a send that fails cannot re-enter it while it walks a
 route: the loop reports the failure as a later event (the Paranoid Pirate rule).
 """
@@ -26,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from meshnet.core import defaults
 from meshnet.core import errors as E
 from meshnet.core import numerics
 from meshnet.core.errors import MeshnetError
@@ -48,6 +53,7 @@ class State(enum.Enum):
     OPENING = "opening"   # OPEN sent to every stage of the route, not yet confirmed by all
     RUNNING = "running"   # prompt and decode flow; the generation says which
     LOST = "lost"         # a stage is gone: waiting for a route to be replayed on
+    PAUSED = "paused"     # a stage's KV pool had no room for it (or others wait for room): off its route, in line
     ENDED = "ended"
 
 
@@ -74,6 +80,9 @@ class Session:
     lost: tuple[MeshnetError, float] | None = None     # the stage lost (LOST): the error, since when
     resume_by: float = 0.0        # ... and until when it may wait
     resumes: list[dict] = field(default_factory=list)  # each resume: stage, replayed_tokens, elapsed_ms
+    started: bool = False         # it has had a route (a session opened while others wait for room has not)
+    pauses: int = 0               # times a stage's KV pool had no room for it
+    seq: int = 0                  # its turn among the table's sessions: in line for room, the oldest goes first
     salt: str = ""                # what the block keys of its tokens are salted with: the route's class and scope
     scope: str = ""               # whose kept prefixes it may start from: its client's (serve's API key, user)
     prefix: list[int] = field(default_factory=list)    # the block keys its route may start it from
@@ -89,7 +98,8 @@ class Session:
 class SessionTable:
     def __init__(self, route_for: Callable[[str | None], list[WorkerRecord]], *, reply_endpoint: str,
                  request_timeout: float, suspect_window: float, resume_wait: float = 0.0, max_resumes: int = 2,
-                 speculate: int = 0, clock: Callable[[], float] = now, counters: collections.Counter | None = None):
+                 speculate: int = 0, pause_wait: float = defaults.PAUSE_WAIT_S, clock: Callable[[], float] = now,
+                 counters: collections.Counter | None = None):
         # route_for(numerics_class) is the route to open a session on, or MeshnetError
         # saying why there is none (the registry's, or a test's plain function)
         self.route_for = route_for
@@ -99,6 +109,7 @@ class SessionTable:
         self.resume_wait = resume_wait
         self.max_resumes = max_resumes
         self.speculate = speculate             # drafts per round at most, where a route can verify them exactly
+        self.pause_wait = pause_wait           # seconds a session waits in line for room in the KV pools
         self.clock = clock
         self.counters = counters if counters is not None else collections.Counter()
         self.resume_ms: collections.deque[float] = collections.deque(maxlen=1000)
@@ -106,6 +117,9 @@ class SessionTable:
         self.failovers: collections.deque[dict] = collections.deque(maxlen=FAILOVERS_KEPT)
         self.sessions: dict[int, Session] = {}
         self._on_worker: dict[bytes, set[int]] = collections.defaultdict(set)
+        self._line: list[int] = []   # the sessions waiting for room, in turn (PAUSED)
+        self._proving: int | None = None   # the one last let out of the line, until it decodes a token
+        self._opened = 0
         self._out: list[Effect] = []
 
     def sessions_on(self, worker: bytes) -> int:
@@ -135,7 +149,12 @@ class SessionTable:
         session = self.sessions[sid] = Session(sid, gen, want_logits, 0.0, sampling=sampling, numerics=numerics_class,
                                                drafts=self.speculate if speculate is None else speculate,
                                                logprobs=logprobs, scope=scope)
-        self._open_route(session, route)
+        self._opened += 1
+        session.seq = self._opened
+        if self._waiting():   # the newest waits behind those that wait for room
+            self._wait_in_line(session)
+        else:
+            self._open_route(session, route)
         return self._effects()
 
     def opened(self, sid: int, cached: int = 0, drafts: int | None = None) -> list[Effect]:
@@ -159,8 +178,11 @@ class SessionTable:
         """A stage answered one of the session's requests with an error."""
         session = self._live(sid)
         if session is not None:
-            self._fail(session, MeshnetError(code, message, stage=worker.offer.label, worker=worker.name,
-                                             session=sid), cancel=True)
+            error = MeshnetError(code, message, stage=worker.offer.label, worker=worker.name, session=sid)
+            if code != E.KV_FULL:
+                self._fail(session, error, cancel=True)
+            elif worker in session.route:   # (a pool of a route it had before is no reason to wait)
+                self._pause(session, error)
         return self._effects()
 
     def open_expired(self, sid: int, stage: int, message: str) -> list[Effect]:
@@ -219,7 +241,10 @@ class SessionTable:
             if session.suspect is None:
                 session.suspect = (error, self.clock() + self.suspect_window)
             return []
-        self._fail(session, error, cancel=True)
+        if code == E.KV_FULL:
+            self._pause(session, error)
+        else:
+            self._fail(session, error, cancel=True)
         return self._effects()
 
     def worker_lost(self, worker: WorkerRecord, reason: str, elapsed_ms: int) -> list[Effect]:
@@ -246,6 +271,7 @@ class SessionTable:
         """A worker registered: a session waiting for a route may have one now."""
         for session in [s for s in self.sessions.values() if s.state is State.LOST]:
             self._try_resume(session)
+        self._resume_next()   # (one in line for room may have waited for a route)
         return self._effects()
 
     def push_failed(self, sid: int) -> list[Effect]:
@@ -316,6 +342,7 @@ class SessionTable:
         """Open the session on every stage of the route, under a fresh key (what is still
         in flight from a route it had before is then dropped)."""
         gen, sid = session.gen, session.sid
+        session.started = True
         self._set_route(session, route)
         session.state = State.OPENING
         session.key = secrets.randbits(63)
@@ -378,6 +405,9 @@ class SessionTable:
                     tokens=list(action.tokens), ack=action.prompt)))
                 session.waiting_on = 0   # the coordinator feeds prompt chunks only: decode steps come from the tail
             elif isinstance(action, Token):
+                if self._proving == session.sid:   # it had room: the next in line may try
+                    self._proving = None
+                    self._resume_next()
                 if session.resumes and "elapsed_ms" not in session.resumes[-1]:
                     elapsed_ms = (self.clock() - session.resumes[-1].pop("lost_at")) * 1000
                     session.resumes[-1]["elapsed_ms"] = round(elapsed_ms, 1)
@@ -428,6 +458,58 @@ class SessionTable:
         session.resume_by = session.deadline = self.clock() + self.resume_wait
         self._try_resume(session)
 
+    def _pause(self, session: Session, error: MeshnetError) -> None:
+        """A stage's KV pool has no room for the session's next positions: it leaves its
+        route (its cells go back to the pools) and waits in line, to be replayed exactly
+        once room comes. A pool with no room while no other session of ours holds any
+        never will: that ends it with the error."""
+        if session.state not in (State.OPENING, State.RUNNING):
+            return
+        others = any(s is not session and s.state in (State.OPENING, State.RUNNING) for s in self.sessions.values())
+        if session.gen.done or not others:
+            self._fail(session, error, cancel=True)
+            return
+        self._leave_route(session, None, RequestKind.CANCEL)
+        self._set_route(session, [])
+        session.pauses += 1
+        session.suspect = None
+        self.counters["kv_pauses"] += 1
+        self._wait_in_line(session, error)
+
+    def _wait_in_line(self, session: Session, error: MeshnetError | None = None) -> None:
+        session.state = State.PAUSED
+        session.lost = (error, self.clock()) if error is not None else None
+        session.deadline = self.clock() + self.pause_wait
+        if self._proving == session.sid:
+            self._proving = None
+        self._line = sorted(set(self._line) | {session.sid}, key=lambda sid: self.sessions[sid].seq)
+
+    def _waiting(self) -> bool:
+        self._line = [sid for sid in self._line if sid in self.sessions and self.sessions[sid].state is State.PAUSED]
+        return bool(self._line)
+
+    def _resume_next(self) -> None:
+        """The first session in line for room takes its turn: replayed on a route (opened,
+        if it never had one). One at a time: the next goes when this one has decoded (so
+        it had room) or another session ends."""
+        if self._proving is not None and self._live(self._proving) is not None:
+            return
+        self._proving = None
+        if not self._waiting():
+            return
+        session = self.sessions[self._line[0]]
+        try:
+            route = self.route_for(session.numerics if session.started else None)
+        except MeshnetError:
+            return   # (it waits on: a route that comes or its wait's end decides)
+        self._line.pop(0)
+        session.lost = None
+        if session.started:
+            session.gen = session.gen.replay(min(w.capability.n_batch for w in route))
+            self.counters["replayed_tokens"] += len(session.gen.prompt)
+        self._proving = session.sid
+        self._open_route(session, route)
+
     def _try_resume(self, session: Session) -> None:
         error, lost_at = session.lost
         try:
@@ -456,6 +538,12 @@ class SessionTable:
             return
         if session.state is State.LOST:
             self._try_resume(session)
+            return
+        if session.state is State.PAUSED:
+            why = f" ({session.lost[0].message})" if session.lost and session.lost[0] else ""
+            self._fail(session, MeshnetError(E.KV_FULL, f"session {session.sid} waited {self.pause_wait:g} s for room "
+                                             f"in the stages' KV pools, which other sessions held{why}",
+                                             session=session.sid))
             return
         if session.suspect is not None and session.suspect[1] < t:
             self._fail(session, session.suspect[0], cancel=True)
@@ -490,12 +578,16 @@ class SessionTable:
                if session.mixed else {}),
             **({"resumed": [{k: v for k, v in r.items() if k != "lost_at"} for r in session.resumes]}
                if session.resumes else {}),
+            **({"kv_pauses": session.pauses} if session.pauses else {}),
         }
 
     def _end(self, session: Session, skip_stage: int | None, kind: RequestKind, keep: list[int] | None = None) -> None:
         session.state = State.ENDED
         self.sessions.pop(session.sid, None)
         self._leave_route(session, skip_stage, kind, keep)
+        if self._proving == session.sid:
+            self._proving = None
+        self._resume_next()   # its cells are free
 
     def _leave_route(self, session: Session, skip_stage: int | None, kind: RequestKind,
                      keep: list[int] | None = None) -> None:

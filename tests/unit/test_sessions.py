@@ -333,3 +333,91 @@ def test_a_push_that_cannot_go_fails_the_session_naming_the_head(mesh):
     mesh.confirm()
     (failed,) = caller(mesh.table.push_failed(1))
     assert failed.error.code == E.HOP_UNREACHABLE and failed.error.context["stage"] == "[0,2)"
+
+
+def _kv_full(mesh, sid: int):
+    return mesh.table.stage_error(sid, mesh.tail, E.KV_FULL, "the stage's KV pool of 1024 cells holds 0 free")
+
+
+def _prefill(mesh, sid: int):
+    """Session SID's prompt of 10 through the route (chunks of 4), up to its first token."""
+    mesh.confirm(sid)
+    mesh.took(0, 4, sid, head=True)
+    mesh.took(4, 4, sid, head=True)
+    mesh.took(0, 4, sid, tail=True)
+    mesh.took(8, 2, sid, head=True)
+
+
+def test_a_session_a_kv_pool_has_no_room_for_waits_off_its_route_and_is_replayed_exactly_when_another_ends(mesh):
+    mesh.open(sid=1, max_tokens=2)
+    _prefill(mesh, 1)
+    mesh.open(sid=2, max_tokens=5)
+    _prefill(mesh, 2)
+    mesh.token(8, 2, 21, sid=2)
+    effects = _kv_full(mesh, 2)
+    assert not caller(effects)   # no error for its caller: it waits
+    assert requests(effects, RequestKind.CANCEL) == [("head", 0), ("tail", 1)]   # its cells go back to the pools
+    assert mesh.table.sessions[2].state is State.PAUSED and mesh.table.counters["kv_pauses"] == 1
+    assert mesh.table.sessions_on(mesh.tail.identity) == 1
+    mesh.token(8, 2, 31, sid=1)
+    effects = mesh.token(10, 1, 32, sid=1)   # session 1 ends: session 2 is replayed
+    assert isinstance(caller(effects)[-1], Done)
+    assert requests(effects, RequestKind.RELEASE) == [("head", 0), ("tail", 1)]
+    assert requests(effects, RequestKind.OPEN) == [("head", 0), ("tail", 1)]
+    opening = of(effects, Request)[-1].fields
+    assert opening["prompt_len"] == 11 and opening["max_tokens"] == 4   # the prompt holds its token
+    assert pushed(mesh.confirm(2)) == [(0, [0, 1, 2, 3])]
+    mesh.took(0, 4, 2, head=True)
+    mesh.took(4, 4, 2, head=True)
+    mesh.took(0, 4, 2, tail=True)
+    mesh.took(4, 4, 2, tail=True)
+    assert pushed(mesh.took(8, 2, 2, head=True)) == [(10, [21])]   # each generated token alone, as decoded
+    mesh.took(10, 1, 2, head=True)
+    assert caller(mesh.token(10, 1, 22, sid=2)) == [TokenEvent(22, b"", None)]   # no token twice
+    mesh.token(11, 1, 23, sid=2)
+    mesh.token(12, 1, 24, sid=2)
+    done = caller(mesh.token(13, 1, 25, sid=2))[-1]
+    assert isinstance(done, Done) and done.metrics["kv_pauses"] == 1 and "resumed" not in done.metrics
+
+
+def test_sessions_wait_for_room_in_age_order_one_let_out_at_a_time_and_the_newest_behind_them(mesh):
+    for sid in (1, 2, 3):
+        mesh.open(sid=sid, max_tokens=3)
+        _prefill(mesh, sid)
+    _kv_full(mesh, 3)
+    _kv_full(mesh, 2)
+    effects = mesh.open(sid=4)   # opened while others wait for room: it waits behind them, never opened
+    assert not of(effects, Request) and mesh.table.sessions[4].state is State.PAUSED
+    mesh.token(8, 2, 21, sid=1)
+    mesh.token(10, 1, 22, sid=1)
+    effects = mesh.token(11, 1, 23, sid=1)   # session 1 ends: the oldest in line (2) goes, only it
+    assert {e.sid for e in of(effects, Request) if e.kind is RequestKind.OPEN} == {2}
+    _prefill(mesh, 2)
+    effects = mesh.token(8, 2, 24, sid=2)    # it had room (a token): the next in line (3) goes
+    assert {e.sid for e in of(effects, Request) if e.kind is RequestKind.OPEN} == {3}
+    _prefill(mesh, 3)
+    _kv_full(mesh, 3)                        # no room again: back in line, before the newer 4
+    assert mesh.table.sessions[3].state is State.PAUSED and mesh.table.sessions[3].pauses == 2
+    mesh.token(10, 1, 25, sid=2)
+    effects = mesh.token(11, 1, 26, sid=2)
+    assert {e.sid for e in of(effects, Request) if e.kind is RequestKind.OPEN} == {3}
+    assert mesh.table.sessions[4].state is State.PAUSED
+
+
+def test_no_room_with_no_other_session_in_the_pools_ends_the_session_and_a_wait_in_line_is_bounded():
+    mesh = Mesh()
+    mesh.add("head", 0, 2)
+    mesh.tail = mesh.add("tail", 2, 4)
+    mesh.open(sid=1)
+    _prefill(mesh, 1)
+    (alone,) = caller(_kv_full(mesh, 1))   # nobody else will free room: the error, at once
+    assert alone.error.code == E.KV_FULL and "1024 cells" in alone.error.message
+    mesh.table.pause_wait, mesh.table.request_timeout = 30.0, 100.0
+    for sid in (2, 3):
+        mesh.open(sid=sid)
+        _prefill(mesh, sid)
+    _kv_full(mesh, 3)
+    mesh.clock.t += 31
+    (waited,) = caller(mesh.table.tick())
+    assert waited.error.code == E.KV_FULL and "waited 30 s" in waited.error.message
+    assert mesh.table.sessions[2].state is State.RUNNING
