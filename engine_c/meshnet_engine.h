@@ -101,8 +101,9 @@ typedef struct {
      * each holding up to n_ctx as it grows, with the tokens it would have alone; a session
      * the pool has no room for gets MESHNET_ERR_KV_FULL, and no other session is touched.
      * A model whose memory is not a plain KV cache (recurrent, hybrid, an indexer's cache)
-     * splits the pool evenly instead: a stream of min(n_ctx, pool_cells / max_sessions)
-     * cells per session, which info.n_ctx reports (info.pool_cells is then 0). An
+     * holds as many whole contexts as the pool has cells for instead: pool_cells / n_ctx
+     * sessions (at least 1, at most max_sessions) of a stream of n_ctx cells each, which
+     * info.max_sessions reports (info.pool_cells is then 0). An
      * invariant-class pool computes in physical batches of 64 rows (n_ubatch 0), so that
      * its attention scratch stays small beside the pool. */
     int32_t pool_cells;

@@ -570,15 +570,15 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // (a recurrent or hybrid model's graph is not built for a unified cache: llama.cpp aborts)
     const bool pooled = p->pool_cells > 0 && p->max_sessions > 1 && !llama_model_is_recurrent(stage->model) &&
                         !llama_model_is_hybrid(stage->model);
-    // a pool asked of a memory that cannot share it is split evenly: the memory is the
-    // pool's either way, and each session's context what its share holds
-    const int32_t even_share   = p->pool_cells > 0 ? std::max(1, std::min(p->n_ctx, p->pool_cells / p->max_sessions))
-                                                   : p->n_ctx;
-    const int32_t n_ctx_stream = pooled ? p->n_ctx : even_share;
+    // a pool asked of a memory that cannot share it holds as many whole contexts as it has
+    // room for, a stream of n_ctx each: fewer sessions, each as long as asked (the others
+    // wait their turn where the sessions are admitted)
+    const int32_t whole_sessions = p->pool_cells > 0 ? std::max(1, std::min(p->max_sessions, p->pool_cells / p->n_ctx))
+                                                     : p->max_sessions;
     const uint32_t pool_cells = (uint32_t) GGML_PAD(p->pool_cells, POOL_BLOCK);
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx           = pooled ? pool_cells : (uint32_t) n_ctx_stream * (uint32_t) p->max_sessions;
-    cparams.n_seq_max       = (uint32_t) p->max_sessions;
+    cparams.n_ctx           = pooled ? pool_cells : (uint32_t) p->n_ctx * (uint32_t) whole_sessions;
+    cparams.n_seq_max       = (uint32_t) (pooled ? p->max_sessions : whole_sessions);
     cparams.kv_unified      = pooled;   // without a pool each session attends over its own stream
     // a sliding-window layer keeps the whole context's cells (llama.cpp's default): a session
     // can then be cut back to any position, and its cells lie as they would without a window;
@@ -612,7 +612,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         // a memory llama.cpp keeps otherwise (a recurrent state, a hybrid, a compressed
         // cache): each session a stream of its own, as without a pool
         llama_free(stage->ctx);
-        cparams.n_ctx      = (uint32_t) even_share * (uint32_t) p->max_sessions;
+        cparams.n_ctx      = (uint32_t) p->n_ctx * (uint32_t) whole_sessions;
+        cparams.n_seq_max  = (uint32_t) whole_sessions;
         cparams.kv_unified = false;
         cparams.n_ubatch   = n_ubatch_streams;
         stage->ctx = llama_init_from_model(stage->model, cparams);
@@ -641,7 +642,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         err = "llama.cpp could not allocate a batch";
         return MESHNET_ERR_INTERNAL;
     }
-    stage->slots.resize(p->max_sessions);
+    const int32_t n_sessions = stage->pooled() ? p->max_sessions : whole_sessions;
+    stage->slots.resize(n_sessions);
 
     meshnet_stage_info & info = stage->info;
     std::snprintf(info.arch, sizeof(info.arch), "%s", summary.arch.c_str());
@@ -653,8 +655,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     info.layer_end    = il_end;
     info.is_head      = il_start == 0;
     info.is_tail      = is_tail;
-    info.n_ctx        = stage->pooled() ? p->n_ctx : even_share;
-    info.max_sessions = p->max_sessions;
+    info.n_ctx        = p->n_ctx;
+    info.max_sessions = n_sessions;
     info.pool_cells   = stage->pooled() ? (int32_t) llama_n_ctx(stage->ctx) : 0;
     info.n_batch      = p->n_batch;
     ggml_backend_dev_t processor = p->gpu ? devices[0] : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);

@@ -180,7 +180,7 @@ class FakeCoordinator:
             sock.close()
         self.data.close()
         self.router.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)   # (what is still queued for a stopped worker goes nowhere)
 
 
 def capability(**overrides) -> dict:

@@ -173,36 +173,49 @@ def accept(model, out_dir, threads, numerics):
 @click.argument("model", required=False)
 @click.option("--node", "nodes", multiple=True, required=True, callback=parse_nodes,
               help="NAME=MEM, a node and the memory it admits (e.g. laptop=6G), in route order; repeat per node")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True, help="context tokens per session")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
+              help="context tokens a session may grow to (meshnet worker --ctx) [default: as a worker's, from the model]")
 @click.option("--sessions", type=click.IntRange(min=1, max=256), default=defaults.MAX_SESSIONS, show_default=True,
-              help="sessions each stage keeps KV for (meshnet worker --max-sessions)")
+              help="sessions each stage holds at once (meshnet worker --max-sessions)")
+@click.option("--kv-pool", type=click.IntRange(min=0), default=None,
+              help="cells of each stage's KV pool (meshnet worker --kv-pool) [default: as a worker's, from the model]")
 @click.option("--overhead", default=None, callback=usage_error(parse_size),
               help="memory per worker process beside the stage itself [default: 128M]")
 @click.option("--json", "as_json", is_flag=True, help='one object {"stages": [{"node", "layers": [A, B], "bytes"}, ...]}')
-def plan(model, nodes, n_ctx, sessions, overhead, as_json):
+def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
     """Split MODEL over nodes by the memory each admits: each stage, in route order, as large as its node allows."""
-    from meshnet.core.planner import OVERHEAD, ModelCost, Node, Settings, format_size
+    from meshnet.core.planner import OVERHEAD, ModelCost, Node, Settings, fitted_pool, format_size
     from meshnet.core.planner import plan as make_plan
     from meshnet.engine.gguf_layout import read_layout
 
-    settings = Settings(n_ctx=n_ctx, n_sessions=sessions)
     try:
         path, _ = models.resolve(model)
-        cost = ModelCost.from_layout(read_layout(path), _layer_memory_if_built(path))
-        result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes],
-                           OVERHEAD if overhead is None else overhead)
+        layout = read_layout(path)
+        # a default pool shrinks to what a node's memory leaves, down to one whole context
+        floor = kv_pool is None
+        n_ctx, kv_pool = defaults.kv_settings(layout.n_ctx_train, n_ctx, kv_pool, sessions)
+        settings = Settings(n_ctx=n_ctx, n_sessions=sessions, kv_pool=kv_pool,
+                            pool_floor=min(n_ctx, kv_pool) if floor else 0)
+        cost = ModelCost.from_layout(layout, _layer_memory_if_built(path))
+        overhead = OVERHEAD if overhead is None else overhead
+        result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes], overhead)
     except MeshnetError as e:
         if as_json and "shortfall_bytes" in e.context:
             click.echo(json.dumps({"error": e.to_dict()}))
         fail(e)
-    if as_json:
-        click.echo(json.dumps(result.to_dict()))
-        return
     admitted = dict(nodes)
-    click.echo(f"{'node':<16} {'layers':<10} {'needs':>12} {'admits':>12}")
-    for stage in result.stages:
+    pools = [fitted_pool(cost, s.layers.start, s.layers.end, settings, admitted[s.node], overhead) for s in result.stages]
+    if as_json:
+        planned = result.to_dict()
+        for stage, pool in zip(planned["stages"], pools):
+            stage["kv_pool"] = pool
+        click.echo(json.dumps(dict(planned, n_ctx=n_ctx)))
+        return
+    click.echo(f"context {n_ctx} tokens per session at most, {sessions} sessions sharing each stage's KV pool")
+    click.echo(f"{'node':<16} {'layers':<10} {'needs':>12} {'admits':>12} {'KV pool':>10}")
+    for stage, pool in zip(result.stages, pools):
         click.echo(f"{stage.node:<16} {stage.layers.label:<10} {format_size(stage.bytes):>12} "
-                   f"{format_size(admitted[stage.node]):>12}")
+                   f"{format_size(admitted[stage.node]):>12} {pool:>10}")
     for name, why in result.left_out.items():
         click.echo(f"{name:<16} {'-':<10} left out: {why}")
 

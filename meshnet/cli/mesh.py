@@ -39,11 +39,15 @@ from meshnet.launch.progress import load_bars
 @click.option("--mem", default=None, callback=usage_error(parse_size),
               help="memory this worker admits, e.g. 800M or 1.5G (with --layers auto: the planner's budget for it)")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True, help="context tokens per session")
-@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=defaults.MAX_SESSIONS, show_default=True)
-@click.option("--kv-pool", type=click.IntRange(min=0), default=0, show_default=True,
-              help="cells of one KV pool the sessions share, each up to --ctx as it grows (at least --ctx); 0: each "
-                   "session its own --ctx cells. A recurrent or hybrid model keeps the latter")
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
+              help=f"context tokens a session may grow to [default: the model's trained context, at least "
+                   f"{defaults.N_CTX} and at most {defaults.CTX_CAP}, within --kv-pool]")
+@click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=defaults.MAX_SESSIONS, show_default=True,
+              help="sessions at once; beyond them (or beyond the pool's room) a session waits its turn")
+@click.option("--kv-pool", type=click.IntRange(min=0), default=None,
+              help=f"cells of the one KV pool the sessions share, each growing up to --ctx (at least --ctx); 0: each "
+                   f"session its own --ctx cells. A recurrent or hybrid model's pool holds pool / ctx whole sessions "
+                   f"[default: --ctx + {defaults.POOL_ROOM}, at least {defaults.KV_POOL_MIN}]")
 @click.option("--max-queue", type=click.IntRange(min=1), default=None, help="steps waiting on the stage before 'busy'")
 @click.option("--data-bind", default="tcp://127.0.0.1:0", show_default=True,
               help="where this stage takes its inputs from the previous stage (loopback unless you say otherwise)")
@@ -77,6 +81,7 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
     from meshnet.net import addresses, security
     from meshnet.net.join import MAX_TOKEN_CHARS
     from meshnet.stage.config import WorkerConfig, given
+    from meshnet.engine.gguf_layout import read_layout
     from meshnet.stage.worker import StageWorker
 
     context = click.get_current_context()
@@ -120,8 +125,13 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
                                echo=lambda line: click.echo(line, err=True), insecure=insecure)
             holder = joined.holder
         path, sha256 = joined.model or models.resolve(model)
+        # a default pool shrinks to what --mem leaves beside the range, down to one whole context
+        floor = 0 if kv_pool is not None or mem is None else n_ctx or 1
+        n_ctx, kv_pool = defaults.kv_settings(read_layout(path).n_ctx_train, n_ctx, kv_pool, max_sessions)
+        floor = min(n_ctx, kv_pool) if floor else 0
         config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,
                               model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
+                              kv_pool_floor=floor,
                               n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
                               spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,

@@ -20,13 +20,15 @@ from meshnet.core.errors import MeshnetError
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="local workers: N stages [default: 2]")
 @click.option("--threads", type=click.IntRange(min=0), default=None, help="local workers: threads per stage [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
-              help=f"local workers: context tokens per session [default: {defaults.N_CTX}]")
+              help=f"local workers: context tokens a session may grow to [default: the model's trained context, at "
+                   f"least {defaults.N_CTX} and at most {defaults.CTX_CAP}, within --kv-pool]")
 @click.option("--max-sessions", type=click.IntRange(min=1, max=256), default=None,
               help=f"local workers: sessions at once; beyond them a request waits in the queue "
                    f"[default: {defaults.MAX_SESSIONS}]")
 @click.option("--kv-pool", type=click.IntRange(min=0), default=None,
-              help="local workers: cells of one KV pool each stage's sessions share, each up to --ctx (at least --ctx) "
-                   "[default: 0, --ctx cells per session]")
+              help=f"local workers: cells of the one KV pool each stage's sessions share, each growing up to --ctx "
+                   f"(at least --ctx); 0: each session its own --ctx cells [default: --ctx + {defaults.POOL_ROOM}, at "
+                   f"least {defaults.KV_POOL_MIN}]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=defaults.MAX_QUEUE, show_default=True,
               help="requests that may wait for a session slot; one beyond them gets 429")
 @click.option("--queue-wait", type=click.FloatRange(min=0), default=defaults.QUEUE_WAIT_S, show_default=True,
@@ -94,9 +96,9 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_p
             options.update(mesh.coordinator_options(security.load_allowed(allow_path) if allow_path else set()))
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
-                   stages=stages or 2, threads=threads or 0, n_ctx=n_ctx or defaults.N_CTX, max_sessions=max_sessions or defaults.MAX_SESSIONS,
+                   stages=stages or 2, threads=threads or 0, n_ctx=n_ctx, max_sessions=max_sessions or defaults.MAX_SESSIONS,
                    secure=not insecure, numerics=numerics, prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
-                   max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool or 0,
+                   max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

@@ -12,6 +12,8 @@ numbers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import itertools
 from dataclasses import asdict, dataclass, field
@@ -113,6 +115,12 @@ class ModelCost:
             return n_ctx
         return 0
 
+    @property
+    def shares_pool(self) -> bool:
+        """Its sessions can share one KV pool: no layer keeps a recurrent state (the engine
+        gives a recurrent or hybrid model a stream per session)."""
+        return not any(self.layer_state_bytes)
+
     @functools.cached_property
     def attention_masks(self) -> int:
         """How many F32 KQ masks an attention layer's pass fills: one per cache, full context
@@ -154,9 +162,12 @@ class ModelCost:
 class Settings:
     """What a worker is started with (meshnet worker --ctx, --max-sessions, --kv-pool)."""
     n_ctx: int = defaults.N_CTX
-    n_sessions: int = defaults.MAX_SESSIONS
+    n_sessions: int = defaults.LIBRARY_SESSIONS
     n_batch: int = defaults.N_BATCH
     kv_pool: int = 0          # cells of one KV pool the sessions share; 0: n_ctx cells each
+    # > 0: the pool may be as small as this to fit the node's memory (a worker's default
+    # pool): a stage is planned at it, and takes what its memory leaves, up to kv_pool
+    pool_floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,10 +204,16 @@ def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Setti
     # session's context, the F32 masks over it and the FFN's activations dominate; the
     # tail's logits for the batch share that buffer (the allocator reuses it), so the
     # larger of the two counts
-    if settings.kv_pool:
-        # the pool's cells, whether its sessions share them or (a model whose memory cannot
-        # be shared: engine_c/stage.cpp) each holds an even share; a shared pool's
-        # attention covers all of it, for physical batches of POOL_ROWS rows
+    if settings.pool_floor:
+        settings = dataclasses.replace(settings, kv_pool=settings.pool_floor, pool_floor=0)
+    if settings.kv_pool and not cost.shares_pool:
+        # a memory a pool cannot share (engine_c/stage.cpp): as many whole contexts as it holds
+        whole = max(1, min(settings.n_sessions, settings.kv_pool // settings.n_ctx))
+        kv = cost.memory_bytes(start, end, settings.n_ctx, whole)
+        scores = settings.n_batch * cost.attended_cells(start, end, settings.n_ctx)
+    elif settings.kv_pool:
+        # the pool's cells, which its sessions share; its attention covers all of them, for
+        # physical batches of POOL_ROWS rows
         pool = -(-settings.kv_pool // POOL_BLOCK) * POOL_BLOCK
         share = max(1, min(settings.n_ctx, pool // settings.n_sessions))
         kv = cost.memory_bytes(start, end, -(-pool // settings.n_sessions), settings.n_sessions)
@@ -210,6 +227,25 @@ def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Setti
         compute = max(compute, 4 * settings.n_batch * cost.n_vocab)
     compute += COMPUTE_SLACK
     return cost.weight_bytes(start, end) + kv + compute + overhead
+
+
+def fitted_pool(cost: ModelCost, start: int, end: int, settings: Settings, mem: int | None,
+                overhead: int = OVERHEAD) -> int:
+    """The KV pool a stage [start, end) takes within MEM: the largest, in blocks, from the
+    settings' floor up to their pool (the floor where none fits: what it was planned at);
+    the settings' pool where it has no floor or no memory is given."""
+    if not settings.pool_floor or mem is None:
+        return settings.kv_pool
+    fixed = dataclasses.replace(settings, pool_floor=0)
+    lo, hi = -(-settings.pool_floor // POOL_BLOCK), max(-(-settings.pool_floor // POOL_BLOCK),
+                                                         settings.kv_pool // POOL_BLOCK)
+    while lo < hi:   # the need grows with the pool: the largest that fits
+        mid = (lo + hi + 1) // 2
+        if stage_need(cost, start, end, dataclasses.replace(fixed, kv_pool=mid * POOL_BLOCK), overhead) <= mem:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(lo * POOL_BLOCK, settings.n_ctx)
 
 
 def plan(cost: ModelCost, nodes: list[Node], overhead: int = OVERHEAD, start: int = 0,

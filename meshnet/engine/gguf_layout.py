@@ -66,6 +66,7 @@ class ModelLayout:
     n_head: int = 0
     n_ff: int = 0
     kv_bytes_per_cell: int = 0  # one layer's K and V of one token at f16, the engine's cache type
+    n_ctx_train: int = 0        # the context it was trained on (0: the file does not say)
 
     def balanced_ranges(self, n_stages: int) -> list[LayerRange]:
         """n_stages ranges with as even a share of the per-token work as whole layers allow
@@ -219,6 +220,7 @@ def _read_layout(path: str) -> ModelLayout:
         n_head=int(n_head),
         n_ff=int(_scalar(_field(reader, f"{arch}.feed_forward_length")) or 0),
         kv_bytes_per_cell=2 * int(n_head_kv) * (int(key_dim) + int(value_dim)),
+        n_ctx_train=int(_scalar(_field(reader, f"{arch}.context_length")) or 0),
     )
 
 

@@ -31,6 +31,7 @@ FIELDS: dict[str, tuple] = {
     "max_sessions": (INT, True, at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, at_most(MAX_CTX)),
     "kv_pool": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # cells of its sessions' shared KV pool
+    "kv_pool_floor": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # ... as small as it may be to fit --mem
     "n_batch": (INT, True, at_most(MAX_BATCH)),
     "admitted_bytes": (INT, True, u64),
     "data_endpoint": (STR, False, endpoint),    # the PULL socket its inputs come to (once it holds layers)
@@ -132,6 +133,7 @@ class Capability:
     weights: str | None = None
     fetches: bool | None = None
     kv_pool: int = 0
+    kv_pool_floor: int = 0
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":
@@ -151,8 +153,9 @@ class Capability:
     def to_wire(self) -> dict:
         """The map a worker sends (and `meshnet status` shows): the fields that are set."""
         wire = {k: v for k, v in asdict(self).items() if v is not None and k != "cost"}
-        if not self.kv_pool:
-            del wire["kv_pool"]   # (no pool: as a worker without one sends it)
+        for name in ("kv_pool", "kv_pool_floor"):
+            if not getattr(self, name):
+                del wire[name]   # (none: as a worker without one sends it)
         for name in ("layers", "loading"):
             if getattr(self, name) is not None:
                 wire[name] = list(getattr(self, name))

@@ -41,7 +41,8 @@ def plan_standby(workers: list[WorkerRecord], overhead: int) -> tuple[list[Assig
             try:
                 result = plan(cost, [Node(w.name, w.capability.mem_bytes,
                                           Settings(w.capability.n_ctx, w.capability.max_sessions,
-                                                   w.capability.n_batch, w.capability.kv_pool)) for w in nodes],
+                                                   w.capability.n_batch, w.capability.kv_pool,
+                                                   w.capability.kv_pool_floor)) for w in nodes],
                               overhead, start, end)
             except MeshnetError as e:
                 notes.append(f"layers {start}..{end - 1} wait for more memory: {e.message}")

@@ -33,13 +33,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
-          coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int = defaults.N_CTX,
+          coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int | None = None,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
           stuck_after: float = defaults.STUCK_AFTER_S, max_queue: int = defaults.MAX_QUEUE,
-          queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int = 0, echo=print) -> None:
+          queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int | None = None, echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
-    unless not secure), or (bind) of a coordinator that workers elsewhere connect to."""
+    unless not secure), or (bind) of a coordinator that workers elsewhere connect to.
+    N_CTX, KV_POOL: the local workers' (None: defaults.kv_settings, from the model)."""
     import uvicorn
 
     from meshnet.engine.gguf_layout import read_layout
@@ -66,7 +67,9 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
     try:
         if bind is None:
             path, _ = models.resolve(model)
-            ranges = read_layout(path).balanced_ranges(stages)
+            layout = read_layout(path)
+            ranges = layout.balanced_ranges(stages)
+            n_ctx, kv_pool = defaults.kv_settings(layout.n_ctx_train, n_ctx, kv_pool, max_sessions)
             # the workers ignore the terminal's Ctrl-C: they are closed after the server
             resume = {k: v for k, v in (coordinator_options or {}).items()
                       if k in ("resume_wait", "max_resumes", "speculate")}

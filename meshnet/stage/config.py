@@ -12,7 +12,7 @@ from meshnet.core import numerics as numerics_classes
 from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from meshnet.net.security import KeyPair
 
-MAX_QUEUE = 16                      # steps waiting on the stage before "busy"
+MAX_QUEUE = 16                      # steps waiting on the stage before "busy": at least this, and two per session
 DATA_BIND = "tcp://127.0.0.1:0"     # the data endpoint: loopback unless told otherwise
 SPIN_MS = 50.0                      # how long a stage with cores of its own polls for its next input (see spin_ms_for)
 
@@ -39,11 +39,12 @@ class WorkerConfig:
     layers: tuple[int, int] | None         # None: --layers auto, the coordinator's planner assigns a range
     model_sha256: str | None = None        # checked against the file by `meshnet worker` (models.resolve)
     n_ctx: int = defaults.N_CTX
-    max_sessions: int = defaults.MAX_SESSIONS
+    max_sessions: int = defaults.LIBRARY_SESSIONS   # (meshnet worker's own defaults: cli/mesh.py)
     kv_pool: int = 0                       # cells of one KV pool the sessions share (0: n_ctx cells per session)
+    kv_pool_floor: int = 0                 # > 0: the pool may shrink to this to fit --mem (meshnet worker's default pool)
     n_batch: int = defaults.N_BATCH
     n_threads: int = 0
-    max_queue: int = MAX_QUEUE
+    max_queue: int | None = None           # None: max_queue_for(its sessions)
     data_bind: str = DATA_BIND
     cpu: int | None = None                 # the CPU of the data path (stage loop + ZeroMQ I/O thread)
     mem: int | None = None                 # bytes this worker admits (--mem); with layers None, the planner's budget
@@ -62,6 +63,12 @@ class WorkerConfig:
     fetch: object | None = None
     weights: str | None = None
 
+    def max_queue_for(self, n_sessions: int) -> int:
+        """Steps that may wait on the stage before it answers "busy": as given, else room
+        for each session's prompt chunk and decode step at once, so that every session the
+        stage holds can be under way (a burst of them opening together is no error)."""
+        return self.max_queue if self.max_queue is not None else max(MAX_QUEUE, 2 * n_sessions)
+
     def spin_ms_on(self, n_cpus: int) -> float:
         """The polling this worker does for its next input, on N_CPUS CPUs."""
         return self.spin_ms if self.spin_ms is not None else spin_ms_for(self.n_threads or n_cpus, n_cpus)
@@ -79,11 +86,12 @@ class WorkerConfig:
                 "--model", str(self.model_path), "--layers", layers, "--threads", str(self.n_threads),
                 "--ctx", str(self.n_ctx), "--max-sessions", str(self.max_sessions)]
         optional = {"--mem": self.mem, "--cpu": self.cpu, "--numerics": self.numerics, "--trace": self.trace,
-                    "--kv-pool": self.kv_pool or None,
+                    # (a pool that may shrink to --mem is the worker's default: no --kv-pool)
+                    "--kv-pool": None if self.kv_pool_floor else self.kv_pool,
                     "--spin-ms": self.spin_ms,
                     "--prefix-cache": self.prefix_cache_mib if self.prefix_cache_mib != defaults.PREFIX_CACHE_MIB
                     else None,
-                    "--max-queue": self.max_queue if self.max_queue != MAX_QUEUE else None,
+                    "--max-queue": self.max_queue,
                     "--data-bind": self.data_bind if self.data_bind != DATA_BIND else None,
                     "--heartbeat-interval": self.heartbeat_interval if self.heartbeat_interval != HEARTBEAT_INTERVAL
                     else None,

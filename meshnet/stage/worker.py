@@ -28,7 +28,7 @@ from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.core.metrics import clock_id, rss_bytes
-from meshnet.core.planner import ModelCost, Settings, format_size, stage_need
+from meshnet.core.planner import ModelCost, Settings, fitted_pool, format_size, stage_need
 from meshnet.core.trace import Timeline
 from meshnet.engine.binding import Stage, engine_pin, layer_memory
 from meshnet.net import addresses
@@ -89,6 +89,7 @@ class StageWorker:
         self.loop: StageLoop | None = None
         self.loading: tuple[int, Future] | None = None      # an ASSIGN's request id and the load under way
         self.load_progress: float | None = None   # the weights read of the range loading (0 to 1), as llama.cpp says
+        self.cost: ModelCost | None = None        # the model's costs, for the planner (--layers auto) and the pool
         self.load_seconds: float | None = None    # ... and how long the last load took
         self.worker_id = uuid.uuid4().hex
         self.gatekeeper: Gatekeeper | None = None
@@ -125,6 +126,19 @@ class StageWorker:
             P.ASSIGN: self._assign,
         }
 
+    def _pool_for(self, layers) -> int:
+        """The KV pool the stage of LAYERS takes: the one asked, or (a default pool and
+        --mem) the largest its memory leaves room for (core/planner.py fitted_pool)."""
+        config = self.config
+        if not config.kv_pool_floor or config.mem is None:
+            return config.kv_pool
+        cost = self.cost or ModelCost.from_layout(self._layout(), layer_memory(config.model_path))
+        return fitted_pool(cost, layers[0], layers[1], self._settings(), config.mem)
+
+    def _settings(self) -> Settings:
+        config = self.config
+        return Settings(config.n_ctx, config.max_sessions, config.n_batch, config.kv_pool, config.kv_pool_floor)
+
     def _load(self, layers) -> Stage:
         """The engine stage for these layers, as this worker's options say; its progress in
         load_progress (health shows it) and, at each tenth, on stderr."""
@@ -142,7 +156,7 @@ class StageWorker:
         self.load_progress = 0.0
         stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                       n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
-                      numerics=config.numerics_class, progress=progress, pool_cells=config.kv_pool)
+                      numerics=config.numerics_class, progress=progress, pool_cells=self._pool_for(layers))
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
@@ -200,6 +214,7 @@ class StageWorker:
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
             **({"kv_pool": self.config.kv_pool} if self.config.kv_pool else {}),
+            **({"kv_pool_floor": self.config.kv_pool_floor} if self.config.kv_pool_floor else {}),
             "n_batch": self.config.n_batch,
             "clock_id": clock_id(),
             "n_threads": self.config.n_threads or len(os.sched_getaffinity(0)),
@@ -249,7 +264,12 @@ class StageWorker:
         self.capability = dict(self._common_capability(info.n_layer, info.arch, info.n_embd, info.n_vocab),
                                layers=[info.layer_start, info.layer_end], backend=info.backend, device=info.device,
                                admitted_bytes=info.model_bytes + info.kv_bytes + info.compute_bytes,
-                               n_ctx=info.n_ctx)   # (what the stage holds: a pool a model cannot share splits evenly)
+                               # what the stage holds: a pool a model cannot share holds fewer sessions
+                               n_ctx=info.n_ctx, max_sessions=info.max_sessions)
+        self.capability.pop("kv_pool_floor", None)   # (the pool it took)
+        self.capability.pop("kv_pool", None)
+        if info.pool_cells:
+            self.capability["kv_pool"] = info.pool_cells
         if info.is_head:   # the coordinator refuses a text too long for any context before sending it here
             self.capability["max_token_bytes"] = max(len(stage.detokenize_bytes([t])) for t in range(info.n_vocab))
         self.max_payload = max(info.n_batch * info.seam_width, 1) * 4
@@ -260,7 +280,8 @@ class StageWorker:
             self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
             curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
         timeline = Timeline(LayerRange(info.layer_start, info.layer_end).label) if self.config.trace else None
-        self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind, self.config.max_queue,
+        self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind,
+                              self.config.max_queue_for(info.max_sessions),
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
                               timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))),
                               prefix_store=self._prefix_store(info),
@@ -385,8 +406,7 @@ class StageWorker:
         start, end = msg["layers"]
         if end > self.cost.n_layer:
             raise MeshnetError(E.BAD_RANGE, f"layers [{start},{end}) are outside the model's {self.cost.n_layer}")
-        settings = Settings(self.config.n_ctx, self.config.max_sessions, self.config.n_batch, self.config.kv_pool)
-        need = stage_need(self.cost, start, end, settings)
+        need = stage_need(self.cost, start, end, self._settings())
         if need > self.config.mem:
             raise MeshnetError(E.MODEL_DOES_NOT_FIT, f"layers [{start},{end}) need {format_size(need)}; this worker "
                                f"admits {format_size(self.config.mem)} (--mem)")

@@ -122,3 +122,23 @@ def test_a_position_past_a_learned_table_of_positions_is_context_full_not_an_abo
             stage.forward([Entry(1, 0, tokens=np.ones(300, dtype=np.int32))])
         assert full.value.code == errors.CONTEXT_FULL and "learned positions" in full.value.message
         stage.forward([Entry(1, 0, tokens=np.ones(8, dtype=np.int32))])   # the session goes on
+
+
+@pytest.mark.parametrize("stem", ["granitehybrid-dense", "mamba2-dense"])
+def test_a_pool_a_model_s_memory_cannot_share_holds_as_many_whole_contexts_as_fit(stem):
+    """A hybrid's and a recurrent model's memory keeps a stream per session: a pool of 1024
+    cells with contexts of 512 is two sessions of 512, each with its tokens alone."""
+    path = MODELS[stem]
+    a_prompt, b_prompt = prompts(path, 2)
+    ref = {"a": alone(path, a_prompt, 4), "b": alone(path, b_prompt, 4)}
+    with Stage(path, None, n_ctx=512, max_sessions=8, n_threads=THREADS, pool_cells=4 * BLOCK) as stage:
+        info = stage.info_static
+        assert (info.pool_cells, info.max_sessions, info.n_ctx) == (0, 2, 512)
+        a, b = Session(1, a_prompt), Session(2, b_prompt)
+        for s in (a, b):
+            stage.open_session(s.sid)
+            s.feed(stage)
+        for _ in range(4):
+            a.feed(stage)
+            b.feed(stage)
+    assert same(a, ref["a"]) and same(b, ref["b"])

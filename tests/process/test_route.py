@@ -2,13 +2,14 @@
 take their range from the coordinator's planner, spares, and workers of another class
 kept out of the route with their reason."""
 
+import dataclasses
 import random
 import signal
 import time
 
 import pytest
 
-from meshnet.core.planner import ModelCost, Node, Settings, plan
+from meshnet.core.planner import ModelCost, Node, Settings, plan, stage_need
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.evidence.drift import DriftMeter
@@ -20,7 +21,9 @@ from conftest import THREADS
 from peers import rss_kib, start_worker, wait_until
 
 PROMPT = "The old lighthouse keeper climbed the stairs every night, and"
-FAST_HEARTBEAT = dict(heartbeat_interval=0.1, heartbeat_liveness=10)   # a dead worker is noticed within ~1 s
+# a dead worker is noticed within ~3 s: far sooner than the defaults, and past the stalls of a
+# loaded 2-core machine (a worker mapping its weights while others compute)
+FAST_HEARTBEAT = dict(heartbeat_interval=0.1, heartbeat_liveness=30)
 # SmolLM2 with 2048 tokens of context for 4 sessions: three workers of 300 MiB are needed
 # (the planner says so below), two are not enough
 AUTO = dict(ctx=2048, sessions=4, mem=300 << 20)
@@ -33,8 +36,9 @@ def whole_model(path, n_ctx, n_tokens=24, prompt=PROMPT):
 
 
 def auto_worker(path, coordinator, mem, ctx, sessions, **popen):
+    # (a KV stream per session, no pool: the plan below counts them so)
     return start_worker(path, coordinator.endpoint, "auto", "--mem", str(mem), "--max-sessions", str(sessions),
-                        "--heartbeat-interval", "0.1", "--heartbeat-liveness", "10", ctx=ctx, **popen)
+                        "--kv-pool", "0", "--heartbeat-interval", "0.1", "--heartbeat-liveness", "10", ctx=ctx, **popen)
 
 
 def generate(coordinator, prompt_tokens, n_tokens=24):
@@ -240,7 +244,8 @@ def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and
     from peers import FakeCoordinator
 
     fake = FakeCoordinator()
-    worker = start_worker(smollm2_path, fake.endpoint, "auto", "--mem", "300M")
+    # (a KV stream per session, no pool to shrink: 8 x 256 cells)
+    worker = start_worker(smollm2_path, fake.endpoint, "auto", "--mem", "300M", "--kv-pool", "0", "--max-sessions", "8")
     try:
         cap = fake.wait_ready()
         assert cap.layers is None and cap.mem_bytes == 300 << 20 and cap.cost.n_layer == 30
@@ -261,6 +266,32 @@ def test_an_auto_worker_refuses_sessions_until_assigned_then_loads_its_range_and
         assert again.type == P.ERROR and again["code"] == "invalid_argument"   # a range is assigned once
     finally:
         stop([worker])
+        fake.close()
+
+
+def test_an_auto_worker_s_default_kv_pool_takes_what_its_memory_leaves_beside_its_range(smollm2_path):
+    """A default pool (64 sessions of up to the model's 8192 tokens: 16384 cells) does not fit
+    300 MiB beside layers 0..11: the worker takes the largest pool that does, at least one
+    whole context, and offers that."""
+    from meshnet.net import protocol as P
+    from peers import FakeCoordinator
+
+    fake = FakeCoordinator()
+    worker = start_worker(smollm2_path, fake.endpoint, "auto", "--mem", "300M", ctx=8192)
+    try:
+        cap = fake.wait_ready()
+        assert (cap.kv_pool, cap.kv_pool_floor, cap.n_ctx, cap.max_sessions) == (16384, 8192, 8192, 64)
+        fake.rid += 1
+        assert fake.reply_to(P.encode(P.ASSIGN, fake.rid, layers=[0, 12]), timeout=60).type == P.OK
+        offered = P.decode(fake.recv(10), 1 << 30)["capability"]
+        settings = Settings(8192, 64, kv_pool=offered.kv_pool)
+        assert 8192 <= offered.kv_pool < 16384 and not offered.kv_pool_floor, offered
+        assert stage_need(cap.cost, 0, 12, settings) <= 300 << 20 < stage_need(
+            cap.cost, 0, 12, dataclasses.replace(settings, kv_pool=offered.kv_pool + 256))
+        assert fake.open(1, stage=0).type == P.OK
+    finally:
+        stop([worker])
+        fake.close()
 
 
 def _standby_capability(**overrides):

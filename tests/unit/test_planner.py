@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from meshnet.core.errors import MeshnetError
-from meshnet.core.planner import ModelCost, Node, Settings, format_size, parse_size, plan, stage_need
+from meshnet.core import defaults
+from meshnet.core.planner import ModelCost, Node, Settings, fitted_pool, format_size, parse_size, plan, stage_need
 
 MIB = 1 << 20
 TINY = Settings(n_ctx=16, n_sessions=1, n_batch=1)
@@ -160,3 +161,52 @@ def test_a_kv_pool_costs_its_cells_however_many_sessions_share_it():
     assert kv(Settings(n_ctx=8192, n_sessions=8, kv_pool=16384)) == streams == 2 * 10 * 16384   # 2 layers
     assert kv(Settings(n_ctx=8192, n_sessions=64, kv_pool=16384)) == streams   # 64 sessions in the same cells
     assert kv(Settings(n_ctx=2048, n_sessions=64)) == 8 * streams               # 64 streams of 2048
+
+
+def test_a_pool_a_hybrid_cannot_share_holds_whole_contexts():
+    # the engine gives a model with a recurrent layer a stream per session: a pool of
+    # 16384 cells with contexts of 4096 holds 4 whole sessions, each a state and its KV
+    settings = Settings(n_ctx=4096, n_sessions=64, n_batch=1, kv_pool=16384)
+    assert not FAKE_HYBRID.shares_pool and FAKE_MODEL.shares_pool
+    assert stage_need(FAKE_HYBRID, 0, 4, settings, overhead=0) == stage_need(
+        FAKE_HYBRID, 0, 4, Settings(n_ctx=4096, n_sessions=4, n_batch=1), overhead=0)
+
+
+@pytest.mark.parametrize("trained, given_ctx, given_pool, expected", [
+    (8192, None, None, (8192, 16384)),     # SmolLM2: its context, a pool of 64 one-block sessions
+    (32768, None, None, (32768, 36864)),   # a 32k model: one whole context and short ones beside it
+    (131072, None, None, (32768, 36864)),  # a 128k model: capped
+    (256, None, None, (2048, 16384)),      # a generated test model: at least 2048
+    (0, None, None, (2048, 16384)),        # a file that does not say
+    (8192, 4096, None, (4096, 16384)),     # --ctx: a cap
+    (8192, None, 4096, (4096, 4096)),      # --kv-pool smaller than the model's context caps it
+    (8192, None, 0, (8192, 0)),            # --kv-pool 0: a stream per session
+    (8192, 4096, 0, (4096, 0)),
+])
+def test_a_worker_s_context_and_pool_come_from_the_model_s_trained_context(trained, given_ctx, given_pool, expected):
+    assert defaults.kv_settings(trained, given_ctx, given_pool) == expected
+
+
+def test_a_default_pool_is_no_larger_than_every_session_at_its_whole_context():
+    assert defaults.kv_settings(8192, 512, None, max_sessions=2) == (512, 1024)
+
+
+def test_a_default_pool_takes_what_the_memory_leaves_beside_the_range_down_to_one_context():
+    with_kv = ModelCost(**{**FAKE_MODEL.to_dict(), "kv_bytes_per_cell": 1024})   # 1 KiB a cell: 4 blocks a MiB
+    settings = Settings(n_ctx=2048, n_sessions=64, n_batch=1, kv_pool=16384, pool_floor=2048)
+    at_floor = stage_need(with_kv, 1, 3, settings, overhead=0)
+    assert at_floor == stage_need(with_kv, 1, 3, dataclasses.replace(settings, kv_pool=2048, pool_floor=0), overhead=0)
+    # 6 MiB more than the floor needs: the largest pool in blocks that fits
+    fixed = lambda cells: dataclasses.replace(settings, kv_pool=cells, pool_floor=0)
+    pool = fitted_pool(with_kv, 1, 3, settings, at_floor + 6 * MIB, overhead=0)
+    assert 2048 < pool < 16384 and pool % 256 == 0
+    assert stage_need(with_kv, 1, 3, fixed(pool), overhead=0) <= at_floor + 6 * MIB \
+        < stage_need(with_kv, 1, 3, fixed(pool + 256), overhead=0)
+    assert fitted_pool(with_kv, 1, 3, settings, 10 << 30, overhead=0) == 16384    # no more than the pool asked
+    assert fitted_pool(with_kv, 1, 3, settings, at_floor - 1, overhead=0) == 2048  # (the planner's floor)
+    assert fitted_pool(with_kv, 1, 3, dataclasses.replace(settings, pool_floor=0), 1, overhead=0) == 16384
+    # the planner gives a node the layers that fit with the floor's pool
+    wide = plan(with_kv, [Node("a", at_floor + 10 * MIB, settings), Node("b", 1 << 30, settings)], overhead=0, start=1)
+    narrow = plan(with_kv, [Node("a", at_floor + 10 * MIB, dataclasses.replace(settings, pool_floor=0)),
+                            Node("b", 1 << 30, settings)], overhead=0, start=1)
+    assert wide.stages[0].layers.end > narrow.stages[0].layers.end

@@ -23,6 +23,9 @@ def parsed(argv: list[str]) -> dict:
                   heartbeat_liveness=20, gpu=True, numerics="stock", trace="/tmp/stage-1.json", spin_ms=5.0),
      ("/k/w.key_secret", "/k/c.key")),
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", None, mem=800 << 20, n_threads=2), None),
+    # a default pool (that shrinks to --mem) is left to the worker's own default
+    (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", None, mem=800 << 20, kv_pool=16384, kv_pool_floor=8192),
+     None),
 ])
 def test_the_command_line_a_config_writes_parses_back_to_the_same_options(config, key_files):
     params = parsed(config.to_argv(key_files))
@@ -32,7 +35,7 @@ def test_the_command_line_a_config_writes_parses_back_to_the_same_options(config
             params["max_sessions"], params["kv_pool"], params["data_bind"], params["cpu"], params["gpu"], params["numerics"],
             params["trace"], params["spin_ms"]) == \
         (config.coordinator, config.model_path, config.mem, config.n_threads, config.n_ctx, config.max_sessions,
-         config.kv_pool, config.data_bind, config.cpu, config.gpu, config.numerics, config.trace, config.spin_ms)
+         None if config.kv_pool_floor else config.kv_pool, config.data_bind, config.cpu, config.gpu, config.numerics, config.trace, config.spin_ms)
     # left out where they are the worker's defaults, so that the worker's own default stands
     assert (params["max_queue"] or config.max_queue, params["heartbeat_interval"] or config.heartbeat_interval,
             params["heartbeat_liveness"] or config.heartbeat_liveness) == \
