@@ -118,7 +118,9 @@ def prometheus_text(snapshot: dict) -> str:
             ("prefix_cache_hit_tokens_total", "prompt tokens restored instead of computed", "prefix_hit_tokens"),
             ("speculation_rounds_total", "decode rounds of speculating sessions", "speculation_rounds"),
             ("speculation_drafted_total", "drafted tokens the route verified", "speculation_drafted"),
-            ("speculation_accepted_total", "drafted tokens the route kept (its own draws)", "speculation_accepted")):
+            ("speculation_accepted_total", "drafted tokens the route kept (its own draws)", "speculation_accepted"),
+            ("kv_pauses_total", "times a stage's KV pool had no room for a session, which waited in line to be "
+             "replayed", "kv_pauses")):
         metric(name, "counter", help_text, [({}, counters.get(key))])
     caches = [(s, s.get("prefix_cache")) for s in stages if s.get("prefix_cache")]
     for name, kind, help_text, key in (
