@@ -31,6 +31,7 @@ The caller sees no replayed token twice, only the tokens after them.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -110,6 +111,10 @@ class Generation:
     n_prompt: int | None = None       # the caller's prompt; a replay's prompt also holds the tokens so far
     replayed: int = 0                 # tokens generated before a replay, fed again
     cached: int = 0                   # prompt tokens the stages restored from a stored prefix, not fed
+    # the next prompt chunk's rows at most, where the caller cuts chunks shorter than
+    # `chunk` (None: no such cut); a cut chunk's end is kept in chunk_ends, so a replay
+    # feeds the chunks as they were fed
+    chunk_limit: int | None = None
 
     def __post_init__(self):
         if not self.prompt:
@@ -228,6 +233,9 @@ class Generation:
     def _next_chunk(self) -> FeedHead:
         at = self.prompt_fed
         end = next(e for e in self.chunk_ends if e > at)
+        if self.chunk_limit is not None and end - at > self.chunk_limit:
+            end = at + max(1, self.chunk_limit)
+            bisect.insort(self.chunk_ends, end)
         self.prompt_fed = end
         return FeedHead(at, tuple(self.prompt[at:end]), prompt=True)
 

@@ -47,6 +47,14 @@ from meshnet.route.tracker import compat_class_of, head_gathers
 
 
 FAILOVERS_KEPT = 50
+# A prompt chunk beside decoding sessions (the invariant class, whose rows may be cut
+# anywhere): at most this many rows per decoding session on the route's head, and at least
+# CHUNK_FLOOR. The invariant kernels give each row its own pass over the weights, so a
+# step's time grows with its rows: a step with such a chunk takes at most ~3 decode steps,
+# and the other streams' inter-token latency rises by that factor while a long prompt is
+# fed, not by a whole chunk's (which slows the long prompt instead, while others decode)
+CHUNK_ROWS_PER_DECODING = 2
+CHUNK_FLOOR = 8
 
 
 class State(enum.Enum):
@@ -171,6 +179,7 @@ class SessionTable:
                 session.state = State.RUNNING
                 self.counters["prefix_hits" if session.cached else "prefix_misses"] += bool(session.prefix)
                 self.counters["prefix_hit_tokens"] += session.cached
+                self._bound_chunk(session)
                 self._act(session, session.gen.opened(session.cached))
         return self._effects()
 
@@ -199,6 +208,7 @@ class SessionTable:
         if session is None:
             return []
         session.deadline = self.clock() + self.request_timeout
+        self._bound_chunk(session)
         if msg.get("head"):
             session.waiting_on = None   # the chunk is past the head (a next chunk for it says so again)
             self._act(session, session.gen.head_took(msg["pos"], msg["n"]))
@@ -388,6 +398,21 @@ class SessionTable:
                 if i == last and session.sampling and session.sampling.grammar else None,
                 prefix=session.prefix or None, speculate=speculate or None,
                 logprobs=session.logprobs if i == last else None)))
+
+    def _bound_chunk(self, session: Session) -> None:
+        """The next prompt chunk's rows, beside the sessions decoding on its head: see
+        CHUNK_ROWS_PER_DECODING. The stock class feeds n_batch chunks, as stock llama.cpp."""
+        gen = session.gen
+        gen.chunk_limit = None
+        if session.numerics != numerics.INVARIANT or not session.route or gen.state not in ("opening", "prefill"):
+            return
+        decoding = 0
+        for sid in self._on_worker.get(session.route[0].identity, ()):
+            other = self.sessions.get(sid)
+            decoding += other is not None and other is not session and other.state is State.RUNNING and \
+                other.gen.state == "decode"
+        if decoding:
+            gen.chunk_limit = max(CHUNK_FLOOR, CHUNK_ROWS_PER_DECODING * decoding)
 
     def _set_route(self, session: Session, route: list[WorkerRecord]) -> None:
         session.route = route

@@ -421,3 +421,32 @@ def test_no_room_with_no_other_session_in_the_pools_ends_the_session_and_a_wait_
     (waited,) = caller(mesh.table.tick())
     assert waited.error.code == E.KV_FULL and "waited 30 s" in waited.error.message
     assert mesh.table.sessions[2].state is State.RUNNING
+
+
+def test_a_prompt_beside_decoding_sessions_is_fed_in_short_chunks_that_a_replay_feeds_again(mesh):
+    from meshnet.route.sessions import CHUNK_FLOOR
+
+    long_prompt = tuple(range(40))
+    mesh.open(sid=1, prompt=long_prompt, chunk=32)   # alone: chunks of 32
+    assert pushed(mesh.confirm(1)) == [(0, list(range(32)))]
+    mesh.table.cancel(1)
+    mesh.open(sid=2, max_tokens=9)
+    _prefill(mesh, 2)
+    mesh.token(8, 2, 21, sid=2)                      # session 2 decodes
+    mesh.open(sid=3, prompt=long_prompt, chunk=32)
+    assert pushed(mesh.confirm(3)) == [(0, list(range(CHUNK_FLOOR)))]
+    assert pushed(mesh.took(0, CHUNK_FLOOR, 3, head=True)) == [(CHUNK_FLOOR, list(range(CHUNK_FLOOR, 2 * CHUNK_FLOOR)))]
+    gen = mesh.table.sessions[3].gen
+    assert gen.chunk_ends[:2] == [CHUNK_FLOOR, 2 * CHUNK_FLOOR]   # what a replay feeds again
+    assert gen.replay().chunk_ends[:2] == [CHUNK_FLOOR, 2 * CHUNK_FLOOR]
+
+
+def test_the_stock_class_feeds_whole_chunks_beside_decoding_sessions():
+    mesh = Mesh()
+    mesh.add("head", 0, 2, numerics="stock")
+    mesh.tail = mesh.add("tail", 2, 4, numerics="stock")
+    mesh.open(sid=2, max_tokens=9)
+    _prefill(mesh, 2)
+    mesh.token(8, 2, 21, sid=2)
+    mesh.open(sid=3, prompt=tuple(range(100)))
+    assert len(pushed(mesh.confirm(3))[0][1]) == 64   # the route's n_batch, as stock llama.cpp feeds
