@@ -84,7 +84,8 @@ typedef struct {
     int32_t layer_start;   /* both 0: the whole model */
     int32_t layer_end;
     int32_t n_ctx;         /* tokens of context per session */
-    int32_t max_sessions;  /* sessions that can hold KV at once */
+    int32_t max_sessions;  /* sessions that can hold KV at once (a recurrent or hybrid model: the
+                              largest count up to it that divides the physical batch; info says) */
     int32_t n_batch;       /* most tokens in one forward call */
     int32_t n_ubatch;      /* physical batch: longer calls run in chunks of this; 0 = n_batch */
     int32_t n_threads;     /* 0 = one per core */

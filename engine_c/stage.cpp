@@ -573,8 +573,17 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // a pool asked of a memory that cannot share it holds as many whole contexts as it has
     // room for, a stream of n_ctx each: fewer sessions, each as long as asked (the others
     // wait their turn where the sessions are admitted)
-    const int32_t whole_sessions = p->pool_cells > 0 ? std::max(1, std::min(p->max_sessions, p->pool_cells / p->n_ctx))
-                                                     : p->max_sessions;
+    int32_t whole_sessions = p->pool_cells > 0 ? std::max(1, std::min(p->max_sessions, p->pool_cells / p->n_ctx))
+                                               : p->max_sessions;
+    // llama.cpp reserves a recurrent or hybrid model's graph with the physical batch split
+    // evenly over its sequences: a count that does not divide it breaks some graphs
+    // (kimi-linear's asserts at 3): such a model holds the largest count that does
+    const int32_t n_ubatch_asked = p->n_ubatch > 0 ? std::min(p->n_ubatch, p->n_batch) : p->n_batch;
+    if (llama_model_is_recurrent(stage->model) || llama_model_is_hybrid(stage->model)) {
+        while (whole_sessions > 1 && n_ubatch_asked % whole_sessions != 0) {
+            whole_sessions--;
+        }
+    }
     const uint32_t pool_cells = (uint32_t) GGML_PAD(p->pool_cells, POOL_BLOCK);
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx           = pooled ? pool_cells : (uint32_t) p->n_ctx * (uint32_t) whole_sessions;
@@ -585,7 +594,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // the planner counts it so
     cparams.swa_full        = true;
     cparams.n_batch         = (uint32_t) p->n_batch;
-    cparams.n_ubatch        = (uint32_t) (p->n_ubatch > 0 ? std::min(p->n_ubatch, p->n_batch) : p->n_batch);
+    cparams.n_ubatch        = (uint32_t) n_ubatch_asked;
     // llama.cpp's attention scratch is rows x attended cells x heads: with a pool's cells
     // and n_batch rows it would outgrow the pool. The invariant class's rows do not depend
     // on how they are batched, so its pooled stage computes in physical batches of 64

@@ -142,3 +142,10 @@ def test_a_pool_a_model_s_memory_cannot_share_holds_as_many_whole_contexts_as_fi
             a.feed(stage)
             b.feed(stage)
     assert same(a, ref["a"]) and same(b, ref["b"])
+
+
+def test_a_recurrent_or_hybrid_model_holds_a_session_count_that_divides_its_batch():
+    """llama.cpp splits a recurrent model's reserved batch evenly over its sequences: 3 of
+    512 would break kimi-linear's graph (an abort); the stage holds 2 and says so."""
+    with Stage(MODELS["kimi-linear-moe"], None, n_ctx=256, max_sessions=3, n_threads=THREADS) as stage:
+        assert stage.info_static.max_sessions == 2
