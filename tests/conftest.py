@@ -53,6 +53,12 @@ def gemma3_path():
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tests interrupt the processes they start (Ctrl-C: SIGINT) and expect them to stop. A
+# suite started in the background of a script (`make test &`) inherits SIGINT ignored, and
+# an ignored signal stays ignored across exec, in every child: Python's own handler here
+# gives each child the default again
+signal.signal(signal.SIGINT, signal.default_int_handler)
 TEST_MODELS = os.path.join(ROOT, "build", "test-models", "models")
 DENSE_ARCHS = ("llama", "qwen2", "qwen3")   # a few generated dense models, for the tests that need one
 
