@@ -40,7 +40,7 @@ from netns_check import _curve_everywhere, _pushes_curve, max_logit_diff  # noqa
 from meshnet.core import defaults  # noqa: E402
 from meshnet.core.errors import MeshnetError  # noqa: E402
 from meshnet.core.layers import LayerRange  # noqa: E402
-from meshnet.core.planner import ModelCost, Settings, format_size, stage_need  # noqa: E402
+from meshnet.core.planner import ModelCost, format_size, stage_need, worker_settings  # noqa: E402
 from meshnet.engine import models  # noqa: E402
 from meshnet.engine.binding import layer_memory  # noqa: E402
 from meshnet.engine.gguf_layout import read_layout  # noqa: E402
@@ -98,9 +98,10 @@ def check(args, report: dict) -> bool:
     n_layer = layout.n_layer
     half = n_layer // 2
     # A's worker admits what the planner says [0, half) needs with a worker's default
-    # settings (stage_need counts the planner's per-process OVERHEAD too): with B's
-    # memory announced, the plan gives it that half and B the rest
-    settings = Settings(defaults.N_CTX, defaults.MAX_SESSIONS, defaults.N_BATCH)
+    # settings (its pool at the floor the planner plans with; stage_need counts the
+    # planner's per-process OVERHEAD too): with B's memory announced, the plan gives it
+    # that half and B the rest
+    settings = worker_settings(layout.n_ctx_train)
     cost = ModelCost.from_layout(layout, layer_memory(path))
     mem = stage_need(cost, 0, half, settings)
     report.update(model=path.name, n_layer=n_layer, a_mem=mem)

@@ -184,18 +184,15 @@ def accept(model, out_dir, threads, numerics):
 @click.option("--json", "as_json", is_flag=True, help='one object {"stages": [{"node", "layers": [A, B], "bytes"}, ...]}')
 def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
     """Split MODEL over nodes by the memory each admits: each stage, in route order, as large as its node allows."""
-    from meshnet.core.planner import OVERHEAD, ModelCost, Node, Settings, fitted_pool, format_size
+    from meshnet.core.planner import OVERHEAD, ModelCost, Node, fitted_pool, format_size, worker_settings
     from meshnet.core.planner import plan as make_plan
     from meshnet.engine.gguf_layout import read_layout
 
     try:
         path, _ = models.resolve(model)
         layout = read_layout(path)
-        # a default pool shrinks to what a node's memory leaves, down to one whole context
-        floor = kv_pool is None
-        n_ctx, kv_pool = defaults.kv_settings(layout.n_ctx_train, n_ctx, kv_pool, sessions)
-        settings = Settings(n_ctx=n_ctx, n_sessions=sessions, kv_pool=kv_pool,
-                            pool_floor=min(n_ctx, kv_pool) if floor else 0)
+        settings = worker_settings(layout.n_ctx_train, n_ctx, kv_pool, sessions)   # (as a worker with --mem)
+        n_ctx = settings.n_ctx
         cost = ModelCost.from_layout(layout, _layer_memory_if_built(path))
         overhead = OVERHEAD if overhead is None else overhead
         result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes], overhead)

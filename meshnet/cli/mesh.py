@@ -81,6 +81,7 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
     from meshnet.net import addresses, security
     from meshnet.net.join import MAX_TOKEN_CHARS
     from meshnet.stage.config import WorkerConfig, given
+    from meshnet.core.planner import worker_settings
     from meshnet.engine.gguf_layout import read_layout
     from meshnet.stage.worker import StageWorker
 
@@ -126,12 +127,11 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
             holder = joined.holder
         path, sha256 = joined.model or models.resolve(model)
         # a default pool shrinks to what --mem leaves beside the range, down to one whole context
-        floor = 0 if kv_pool is not None or mem is None else n_ctx or 1
-        n_ctx, kv_pool = defaults.kv_settings(read_layout(path).n_ctx_train, n_ctx, kv_pool, max_sessions)
-        floor = min(n_ctx, kv_pool) if floor else 0
+        settings = worker_settings(read_layout(path).n_ctx_train, n_ctx, kv_pool, max_sessions,
+                                   fits_memory=mem is not None)
         config = WorkerConfig(coordinator=joined.coordinator, model_path=str(path), layers=layers,
-                              model_sha256=sha256, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
-                              kv_pool_floor=floor,
+                              model_sha256=sha256, n_ctx=settings.n_ctx, max_sessions=max_sessions,
+                              kv_pool=settings.kv_pool, kv_pool_floor=settings.pool_floor,
                               n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
                               spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,

@@ -196,6 +196,17 @@ class Plan:
         return {"stages": [s.to_dict() for s in self.stages], "left_out": self.left_out}
 
 
+def worker_settings(n_ctx_train: int, n_ctx: int | None = None, kv_pool: int | None = None,
+                    max_sessions: int = defaults.MAX_SESSIONS, n_batch: int = defaults.N_BATCH,
+                    fits_memory: bool = True) -> Settings:
+    """What a worker started with these options holds (None: its defaults, from the
+    model's trained context: defaults.kv_settings). A default pool may shrink to what the
+    worker's memory leaves (FITS_MEMORY: it was given --mem), down to one whole context."""
+    ctx, pool = defaults.kv_settings(n_ctx_train, n_ctx, kv_pool, max_sessions)
+    floor = min(ctx, pool) if kv_pool is None and fits_memory and pool else 0
+    return Settings(ctx, max_sessions, n_batch, pool, floor)
+
+
 def stage_need(cost: ModelCost, start: int, end: int, settings: Settings = Settings(),
                overhead: int = OVERHEAD) -> int:
     """Bytes a stage [start, end) takes: weights, KV for every session's context, the
