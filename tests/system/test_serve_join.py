@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 
-from meshnet.core.planner import ModelCost, Settings, stage_need
+from meshnet.core.planner import ModelCost, stage_need, worker_settings
 from meshnet.engine.binding import layer_memory
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
@@ -28,8 +28,10 @@ PROMPT = "The capital of France is"
 def test_serve_prints_the_join_line_and_a_machine_without_the_model_joins_with_it(smollm2_path, tmp_path):
     layout = read_layout(smollm2_path)
     half = layout.n_layer // 2
-    # what the first half of the layers needs, as the planner counts it: serve's worker takes those
-    mem = stage_need(ModelCost.from_layout(layout, layer_memory(smollm2_path)), 0, half, Settings())
+    # what the first half of the layers needs, as the planner counts it for a worker's defaults
+    # (its KV pool at the floor it may shrink to): serve's worker takes those
+    mem = stage_need(ModelCost.from_layout(layout, layer_memory(smollm2_path)), 0, half,
+                     worker_settings(layout.n_ctx_train))
     serve = track(subprocess.Popen(
         [sys.executable, "-m", "meshnet.cli.main", "serve", "--port", "0", "--model", smollm2_path,
          "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--mem", str(mem)],
