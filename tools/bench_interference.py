@@ -40,8 +40,11 @@ class Stream:
 
     def __init__(self, url: str, model: str, seed: int):
         self.times: list[float] = []
-        self.response = post(url, {"model": model, "prompt": "Once upon a time", "max_tokens": 100000,
+        # (a few thousand tokens: within any default context, and past the bench's length)
+        self.response = post(url, {"model": model, "prompt": "Once upon a time", "max_tokens": 3000,
                                    "temperature": 1.5, "seed": seed, "stream": True, "user": f"s{seed}"})
+        if self.response.status != 200:
+            raise SystemExit(f"a stream was refused: {self.response.status} {self.response.read()[:300]!r}")
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
