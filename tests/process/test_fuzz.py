@@ -48,6 +48,7 @@ from meshnet.engine.binding import Entry, Stage
 from meshnet.engine.pipeline import LocalPipeline
 from meshnet.launch.local_cluster import LocalCluster
 from meshnet.net import protocol as P
+from meshnet.net.heartbeat import HEARTBEAT_INTERVAL
 
 from conftest import THREADS
 from peers import KEY, bind_loopback, rss_kib
@@ -776,7 +777,9 @@ class Router:
     """A raw ROUTER playing the coordinator of one worker, with its own data PULL (every
     session it opens sends its outputs there) and a PUSH to the worker's data endpoint.
     It follows the worker's identity, which changes when ZeroMQ drops and re-makes the
-    connection, and checks everything that comes back on either socket."""
+    connection, and checks everything that comes back on either socket. Like a real
+    coordinator it keeps heartbeating while it waits: a worker that hears nothing for its
+    liveness window (2 s: one long batch on a loaded machine) rightly drops every session."""
 
     def __init__(self, replies: Replies):
         self.ctx = zmq.Context()
@@ -793,9 +796,15 @@ class Router:
         self.capability = None
         self.keys: dict[int, set[int]] = collections.defaultdict(set)   # sid -> every key it was opened with
         self.nf_errors: collections.Counter = collections.Counter()     # the non-finite session's errors, by code
+        self.last_sent = time.monotonic()
 
     def send(self, frames) -> None:
         self.sock.send_multipart([self.identity, *frames], copy=False)
+        self.last_sent = time.monotonic()
+
+    def _heartbeat_if_due(self) -> None:
+        if self.identity is not None and time.monotonic() - self.last_sent >= HEARTBEAT_INTERVAL:
+            self.send(P.encode(P.HEARTBEAT, 0))
 
     def connect_data(self) -> None:
         if self.push is not None:
@@ -833,9 +842,12 @@ class Router:
         old_identity = self.identity
         waiting = until is not None or until_new_identity
         while True:
+            self._heartbeat_if_due()
             timeout = max(0.0, deadline - time.monotonic()) if waiting else 0
-            events = dict(self.poller.poll(int(timeout * 1000)))
+            events = dict(self.poller.poll(int(min(timeout, HEARTBEAT_INTERVAL) * 1000)))
             if not events:
+                if waiting and time.monotonic() < deadline:
+                    continue
                 return None if waiting else True
             if self.data in events:
                 msg = self.replies.take(self.data.recv_multipart(), plane="data")
