@@ -937,6 +937,15 @@ meshnet_status check_call(meshnet_stage * stage, const meshnet_entry * entries, 
 // share a call, each longer entry has a call of its own, and within a call rows go in
 // sequence order (llama.cpp puts sessions in one micro-batch only when their sequence
 // ids follow each other).
+//
+// In a KV pool every row of a call attends over the span of the pool its sessions cover
+// (patch 0013), other sessions' cells between them included: a short chat's decode step
+// in one call with a 32k-token agent's would attend over 32k cells. So a pooled invariant
+// stage (whose rows do not depend on what shares their call) cuts its decode steps, in
+// the order of their places in the pool, into calls whose spans cost less attention than
+// the extra call costs (CALL_CELLS: about one row's attention over that many cells).
+constexpr int64_t CALL_CELLS = 1024;
+
 std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries) {
     std::vector<int32_t> order(n_entries);
     for (int32_t i = 0; i < n_entries; ++i) {
@@ -946,12 +955,48 @@ std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshne
         return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
     });
     std::vector<std::vector<int32_t>> calls(1);
+    std::vector<int32_t> decode;
     for (const int32_t i : order) {
         if (entries[i].n_tokens == 1) {
-            calls[0].push_back(i);
+            decode.push_back(i);
         } else {
             calls.push_back({ i });
         }
+    }
+    if (!stage->pooled() || stage->info.numerics != MESHNET_NUMERICS_INVARIANT || decode.size() < 2) {
+        calls[0] = decode;
+        return calls;
+    }
+    // a decode step's cells: from its session's first to the one it adds
+    auto span = [&](int32_t i) {
+        const session_slot * slot = stage->find(entries[i].session_id);
+        const int64_t first = (int64_t) slot->first_block * POOL_BLOCK;
+        return std::make_pair(first, first + entries[i].pos + 1);
+    };
+    std::stable_sort(decode.begin(), decode.end(), [&](int32_t a, int32_t b) { return span(a).first < span(b).first; });
+    std::vector<std::vector<int32_t>> groups;
+    int64_t lo = 0, hi = 0;
+    for (const int32_t i : decode) {
+        const auto [first, end] = span(i);
+        const int64_t rows   = groups.empty() ? 0 : (int64_t) groups.back().size();
+        const int64_t merged = (rows + 1) * (std::max(hi, end) - lo);
+        const int64_t apart  = rows * (hi - lo) + (end - first) + CALL_CELLS;
+        if (groups.empty() || merged > apart) {
+            groups.push_back({ i });
+            lo = first;
+            hi = end;
+        } else {
+            groups.back().push_back(i);
+            hi = std::max(hi, end);
+        }
+    }
+    calls.erase(calls.begin());
+    calls.insert(calls.begin(), groups.begin(), groups.end());
+    // (within a call, rows in sequence order again)
+    for (std::vector<int32_t> & call : calls) {
+        std::sort(call.begin(), call.end(), [&](int32_t a, int32_t b) {
+            return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
+        });
     }
     return calls;
 }

@@ -114,6 +114,38 @@ def test_a_full_pool_packs_its_sessions_to_make_a_run_of_blocks_and_changes_no_t
     assert all(same(s, ref) for s, ref in zip(sessions, refs))
 
 
+# a plain model, ALiBi's positions in the mask (bloom), and sliding-window pairs of caches
+WINDOWED = ["llama-dense", "bloom-dense", "gemma3-dense", "cohere2-dense"]
+
+
+@pytest.mark.parametrize("stem", WINDOWED)
+def test_decode_steps_across_the_pool_in_shared_calls_give_what_each_gives_alone(stem):
+    """Each session's rows attend over its own span of the pool (patch 0013), and decode
+    steps of sessions far apart in it go in calls of their own (stage.cpp plan_calls):
+    one forward call of four sessions' steps gives each what it gives alone."""
+    path = MODELS[stem]
+    short = prompts(path, 4)
+    long_prompt = short[0] + short[1]                    # two blocks, and a third as it decodes
+    prompt_of = {1: short[2], 2: long_prompt, 3: short[3], 4: short[0]}
+    steps = 24
+    refs = {sid: alone(path, p, steps) for sid, p in prompt_of.items()}
+    sessions = {sid: Session(sid, p) for sid, p in prompt_of.items()}
+    with Stage(path, None, n_ctx=1024, max_sessions=4, n_threads=THREADS, pool_cells=12 * BLOCK) as stage:
+        for sid in (1, 2, 3, 4):
+            stage.open_session(sid)
+            sessions[sid].feed(stage)     # blocks 0, 1-2, 3, 4; as they cross a block, they move apart
+        for _ in range(steps):
+            order = [1, 2, 3, 4]
+            entries = [Entry(sid, len(sessions[sid].tokens) - 1, tokens=np.array(sessions[sid].tokens[-1:]))
+                       for sid in order]
+            out = stage.forward(entries)
+            for e, sid in enumerate(order):
+                sessions[sid].logits.append(out.logits[e].copy())
+                sessions[sid].tokens.append(int(out.token[e]))
+    for sid, session in sessions.items():
+        assert same(session, refs[sid]), (stem, sid)
+
+
 @pytest.mark.parametrize("stem", sorted(stem for stem, path in MODELS.items() if learned_positions(path)))
 def test_a_position_past_a_learned_table_of_positions_is_context_full_not_an_abort(stem):
     with Stage(MODELS[stem], None, n_ctx=1024, max_sessions=1, n_threads=THREADS) as stage:
