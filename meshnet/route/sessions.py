@@ -40,6 +40,7 @@ from meshnet.core.prefix import BLOCK, block_keys, reusable_keys
 from meshnet.core.sampling import Sampling
 from meshnet.net import protocol as P
 from meshnet.net.heartbeat import now
+from meshnet.route.chunk_budget import CHUNK_SHARE, chunk_rows, row_cells
 from meshnet.route.events import Done, Effect, Emit, Failed, Leave, Push, Request, TokenEvent
 from meshnet.route.registry import WorkerRecord
 from meshnet.route.requests import RequestKind
@@ -47,15 +48,6 @@ from meshnet.route.tracker import compat_class_of, head_gathers
 
 
 FAILOVERS_KEPT = 50
-# A prompt chunk beside decoding sessions (the invariant class, whose rows may be cut
-# anywhere): at most this many rows per decoding session on the route's head, and at least
-# CHUNK_FLOOR. The invariant kernels give each row its own pass over the weights, so a
-# step's time grows with its rows: the other streams' inter-token latency rises by a
-# bounded factor while a long prompt is fed, not by a whole chunk's (the long prompt is
-# slower instead). The count does not yet weigh a chunk row's attention over its context
-# (8.6x at p99 beside a 3401-token prompt: README)
-CHUNK_ROWS_PER_DECODING = 2
-CHUNK_FLOOR = 8
 
 
 class State(enum.Enum):
@@ -119,6 +111,7 @@ class SessionTable:
         self.max_resumes = max_resumes
         self.speculate = speculate             # drafts per round at most, where a route can verify them exactly
         self.pause_wait = pause_wait           # seconds a session waits in line for room in the KV pools
+        self.chunk_share = CHUNK_SHARE         # a prompt chunk's cost beside a decode batch's (chunk_budget.py)
         self.clock = clock
         self.counters = counters if counters is not None else collections.Counter()
         self.resume_ms: collections.deque[float] = collections.deque(maxlen=1000)
@@ -401,19 +394,21 @@ class SessionTable:
                 logprobs=session.logprobs if i == last else None)))
 
     def _bound_chunk(self, session: Session) -> None:
-        """The next prompt chunk's rows, beside the sessions decoding on its head: see
-        CHUNK_ROWS_PER_DECODING. The stock class feeds n_batch chunks, as stock llama.cpp."""
+        """The next prompt chunk's rows, beside the sessions decoding on its head
+        (route/chunk_budget.py). The stock class feeds n_batch chunks, as stock llama.cpp."""
         gen = session.gen
         gen.chunk_limit = None
         if session.numerics != numerics.INVARIANT or not session.route or gen.state not in ("opening", "prefill"):
             return
-        decoding = 0
+        decoding_cells = []
         for sid in self._on_worker.get(session.route[0].identity, ()):
             other = self.sessions.get(sid)
-            decoding += other is not None and other is not session and other.state is State.RUNNING and \
-                other.gen.state == "decode"
-        if decoding:
-            gen.chunk_limit = max(CHUNK_FLOOR, CHUNK_ROWS_PER_DECODING * decoding)
+            if other is not None and other is not session and other.state is State.RUNNING and \
+                    other.gen.state == "decode":
+                decoding_cells.append(len(other.gen.prompt) + len(other.gen.tokens))
+        head = session.route[0].capability
+        gen.chunk_limit = chunk_rows(decoding_cells, len(session.route), gen.prompt_fed, row_cells(head.cost),
+                                     self.chunk_share)
 
     def _set_route(self, session: Session, route: list[WorkerRecord]) -> None:
         session.route = route

@@ -13,6 +13,7 @@ from meshnet.core import errors as E
 from meshnet.core.generation import Generation, StopRule
 from meshnet.net import protocol as P
 from meshnet.net.heartbeat import Liveness
+from meshnet.route.chunk_budget import chunk_rows, row_cells
 from meshnet.route.events import Done, Emit, Failed, Leave, Push, Request, TokenEvent
 from meshnet.route.registry import Registry
 from meshnet.route.requests import RequestKind
@@ -424,8 +425,6 @@ def test_no_room_with_no_other_session_in_the_pools_ends_the_session_and_a_wait_
 
 
 def test_a_prompt_beside_decoding_sessions_is_fed_in_short_chunks_that_a_replay_feeds_again(mesh):
-    from meshnet.route.sessions import CHUNK_FLOOR
-
     long_prompt = tuple(range(40))
     mesh.open(sid=1, prompt=long_prompt, chunk=32)   # alone: chunks of 32
     assert pushed(mesh.confirm(1)) == [(0, list(range(32)))]
@@ -433,12 +432,18 @@ def test_a_prompt_beside_decoding_sessions_is_fed_in_short_chunks_that_a_replay_
     mesh.open(sid=2, max_tokens=9)
     _prefill(mesh, 2)
     mesh.token(8, 2, 21, sid=2)                      # session 2 decodes
+    held = len(mesh.table.sessions[2].gen.prompt) + len(mesh.table.sessions[2].gen.tokens)
+    # the chunk budget's rows for this route (its own unit tests: test_chunk_budget.py)
+    first = chunk_rows([held], 2, 0, row_cells(None), share=8.0)
+    second = chunk_rows([held], 2, first, row_cells(None), share=8.0)
+    assert 1 < second <= first < 32
+    mesh.table.chunk_share = 8.0   # (a budget of more than one row: the cut shows)
     mesh.open(sid=3, prompt=long_prompt, chunk=32)
-    assert pushed(mesh.confirm(3)) == [(0, list(range(CHUNK_FLOOR)))]
-    assert pushed(mesh.took(0, CHUNK_FLOOR, 3, head=True)) == [(CHUNK_FLOOR, list(range(CHUNK_FLOOR, 2 * CHUNK_FLOOR)))]
+    assert pushed(mesh.confirm(3)) == [(0, list(range(first)))]
+    assert pushed(mesh.took(0, first, 3, head=True)) == [(first, list(range(first, first + second)))]
     gen = mesh.table.sessions[3].gen
-    assert gen.chunk_ends[:2] == [CHUNK_FLOOR, 2 * CHUNK_FLOOR]   # what a replay feeds again
-    assert gen.replay().chunk_ends[:2] == [CHUNK_FLOOR, 2 * CHUNK_FLOOR]
+    assert gen.chunk_ends[:2] == [first, first + second]   # what a replay feeds again
+    assert gen.replay().chunk_ends[:2] == [first, first + second]
 
 
 def test_the_stock_class_feeds_whole_chunks_beside_decoding_sessions():
