@@ -11,7 +11,12 @@ figures, no pass/fail.
 
     python tools/bench_serve.py [--model smollm2] [--concurrency 1,4,16,64] [--classes invariant,stock]
                                 [--stages 2] [--threads 2] [--slots 16] [--max-tokens 128] [--repeats 3]
-                                [--url http://HOST:PORT] [--json FILE]
+                                [--prompts shared|unique] [--url http://HOST:PORT] [--json FILE]
+
+--prompts unique starts each request's context with its own line, so that no server
+reuses a cached prefix of another request's (llama-server's prompt cache, meshnet's
+prefix store): every prompt is prefilled whole, and the table compares the serving
+itself; shared (the default) is a system prompt every request has, as a chat UI sends.
 
 With --url it measures that one server only (any OpenAI-compatible endpoint).
 """
@@ -114,16 +119,18 @@ def llama_server(args) -> Server:
     return Server("llama-server (stock)", command, None, url=f"http://127.0.0.1:{port}")
 
 
-def one_client(client, model, client_no: int, rounds: int, max_tokens: int, records: list, lock) -> None:
+def one_client(client, model, client_no: int, rounds: int, max_tokens: int, records: list, lock,
+               shared: bool = True) -> None:
     for r in range(rounds):
         topic = TOPICS[(client_no * rounds + r) % len(TOPICS)]
+        context = CONTEXT if shared else f"Conversation {client_no}.{r} of {time.time_ns()}. {CONTEXT}"
         started = time.perf_counter()
         arrivals, n_tokens, error = [], 0, None
         try:
             stream = client.chat.completions.create(
                 model=model, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
                 temperature=0.8, seed=client_no * 1000 + r,
-                messages=[{"role": "system", "content": CONTEXT},
+                messages=[{"role": "system", "content": context},
                           {"role": "user", "content": f"Request {client_no}.{r}: write a long story about {topic}."}])
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -137,12 +144,12 @@ def one_client(client, model, client_no: int, rounds: int, max_tokens: int, reco
                             "tokens": n_tokens, "error": error})
 
 
-def measure(url: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+def measure(url: str, concurrency: int, rounds: int, max_tokens: int, shared: bool = True) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("MESHNET_API_KEY", "none"), max_retries=0,
                            timeout=900)
     model = client.models.list().data[0].id
     records, lock = [], threading.Lock()
-    threads = [threading.Thread(target=one_client, args=(client, model, c, rounds, max_tokens, records, lock))
+    threads = [threading.Thread(target=one_client, args=(client, model, c, rounds, max_tokens, records, lock, shared))
                for c in range(concurrency)]
     began = time.perf_counter()
     for t in threads:
@@ -186,6 +193,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (their median is shown)")
+    parser.add_argument("--prompts", choices=("shared", "unique"), default="shared",
+                        help="a system prompt every request shares, or each its own (no cached prefix)")
     parser.add_argument("--llama-server", default=LLAMA_SERVER)
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
@@ -211,7 +220,7 @@ def main() -> int:
         try:
             measure(url, 1, 1, 8)   # warm-up
             for c in levels:
-                table[(name, c)] = median_of([measure(url, c, args.rounds, args.max_tokens)
+                table[(name, c)] = median_of([measure(url, c, args.rounds, args.max_tokens, args.prompts == "shared")
                                               for _ in range(args.repeats)])
                 row = table[(name, c)]
                 print(f"{name:28} c={c:<3} {fmt(row['tokens_per_s'], 1):>7} tok/s  ttft p50 {fmt(row['ttft_ms_p50']):>6} "
