@@ -940,10 +940,14 @@ meshnet_status check_call(meshnet_stage * stage, const meshnet_entry * entries, 
 //
 // In a KV pool every row of a call attends over the span of the pool its sessions cover
 // (patch 0013), other sessions' cells between them included: a short chat's decode step
-// in one call with a 32k-token agent's would attend over 32k cells. So a pooled invariant
-// stage (whose rows do not depend on what shares their call) cuts its decode steps, in
-// the order of their places in the pool, into calls whose spans cost less attention than
-// the extra call costs (CALL_CELLS: about one row's attention over that many cells).
+// in one call with a 32k-token agent's would attend over 32k cells, and 16 chats' steps
+// in one call over all 16 chats' cells. So a pooled stage cuts its decode steps, in the
+// order of their places in the pool, into calls whose spans cost less attention than the
+// extra call costs (CALL_CELLS: about one row's attention over that many cells, as much
+// as a call's pass over a SmolLM2 stage's weights). The invariant class's rows do not
+// depend on what shares their call; the stock class's may, as in stock llama.cpp (a
+// session batched with others may differ from it alone: core/numerics.py), and at 16
+// SmolLM2 streams the cut took its throughput from 24 to 37 tok/s (tools/bench_serve.py).
 constexpr int64_t CALL_CELLS = 1024;
 
 std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries) {
@@ -963,7 +967,7 @@ std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshne
             calls.push_back({ i });
         }
     }
-    if (!stage->pooled() || stage->info.numerics != MESHNET_NUMERICS_INVARIANT || decode.size() < 2) {
+    if (!stage->pooled() || decode.size() < 2) {
         calls[0] = decode;
         return calls;
     }
