@@ -1,9 +1,9 @@
 """How many rows of a prompt the next chunk takes while other sessions decode on the same
 route (the invariant class, whose rows may be cut anywhere without changing a float).
 
-A stage runs the decode steps it has waiting as one call and a prompt chunk as a call
-of its own between them (engine_c/stage.cpp plan_calls), so while a chunk is computed
-the streams decoding there wait for it. A row's cost is its pass over the layers'
+A stage runs the decode steps it has waiting (in calls by their places in its KV pool)
+and a prompt chunk as a call of its own between them (engine_c/stage.cpp plan_calls), so
+while a chunk is computed the streams decoding there wait for it. A row's cost is its pass over the layers'
 weights plus its attention over the cells it attends (its session's span of the KV
 pool: patch 0013), and at a few thousand cells of context the attention is the larger
 part. The chunk is sized so that its call costs about CHUNK_SHARE of the decode batch
