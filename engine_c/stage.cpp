@@ -955,9 +955,10 @@ std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshne
     for (int32_t i = 0; i < n_entries; ++i) {
         order[i] = i;
     }
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const auto by_sequence = [&](int32_t a, int32_t b) {
         return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
-    });
+    };
+    std::stable_sort(order.begin(), order.end(), by_sequence);
     std::vector<std::vector<int32_t>> calls(1);
     std::vector<int32_t> decode;
     for (const int32_t i : order) {
@@ -998,9 +999,7 @@ std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshne
     calls.insert(calls.begin(), groups.begin(), groups.end());
     // (within a call, rows in sequence order again)
     for (std::vector<int32_t> & call : calls) {
-        std::sort(call.begin(), call.end(), [&](int32_t a, int32_t b) {
-            return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
-        });
+        std::sort(call.begin(), call.end(), by_sequence);
     }
     return calls;
 }
