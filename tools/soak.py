@@ -6,7 +6,8 @@ stream and stage workers killed while spares stand by. Prints, and writes as JSO
   equal (must be 0), cut short by their own client on purpose, refused or failed (by
   code: none is expected, since a killed worker's sessions resume on its spare);
 - per process (serve, each worker), resident memory and open file descriptors after
-  warm-up (the first fifth) and at the end, and their change (target: RSS within 5%);
+  warm-up (the run's first fifth, or a minute after a spare took its first sessions) and
+  at the end, and their change (target: RSS within 5%);
 - each stage's KV in use once the load has stopped (must be 0: nothing leaked).
 
 The route: `meshnet serve --coordinator` (loopback, no keys) with two workers for each
@@ -197,10 +198,9 @@ def main() -> int:
             t.join(timeout=600)
         time.sleep(5)
         health = json.loads(urllib_get(mesh.url + "/health"))
-        warm = args.minutes * 60 / 5
         processes = {}
         for name, points in samples.items():
-            after = [p for p in points if p[0] >= warm]
+            after = [p for p in points if p[0] >= warmed_at(points, args.minutes * 60 / 5)]
             if len(after) >= 2:
                 processes[name] = {"rss_warm": after[0][1], "rss_end": after[-1][1],
                                    "rss_change": after[-1][1] / after[0][1] - 1,
@@ -219,6 +219,14 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def warmed_at(points: list[tuple[float, int, int]], run_warm_up: float) -> float:
+    """When a process's warm-up ends: the run's first fifth, or for a spare that joined the
+    route later (its RSS rose by a tenth once it took sessions), a minute after it did.
+    Without the second rule a spare's first sessions count as growth."""
+    rose = next((t for t, rss, _ in points if rss > points[0][1] * 1.1), None)
+    return run_warm_up if rose is None else max(run_warm_up, rose + 60)
 
 
 def urllib_get(url: str) -> str:
