@@ -938,68 +938,35 @@ meshnet_status check_call(meshnet_stage * stage, const meshnet_entry * entries, 
 // sequence order (llama.cpp puts sessions in one micro-batch only when their sequence
 // ids follow each other).
 //
-// In a KV pool every row of a call attends over the span of the pool its sessions cover
-// (patch 0013), other sessions' cells between them included: a short chat's decode step
-// in one call with a 32k-token agent's would attend over 32k cells, and 16 chats' steps
-// in one call over all 16 chats' cells. So a pooled stage cuts its decode steps, in the
-// order of their places in the pool, into calls whose spans cost less attention than the
-// extra call costs (CALL_CELLS: about one row's attention over that many cells, as much
-// as a call's pass over a SmolLM2 stage's weights). The invariant class's rows do not
-// depend on what shares their call; the stock class's may, as in stock llama.cpp (a
-// session batched with others may differ from it alone: core/numerics.py), and at 16
-// SmolLM2 streams the cut took its throughput from 24 to 37 tok/s (tools/bench_serve.py).
-constexpr int64_t CALL_CELLS = 1024;
-
+// A KV pool has one stream, which llama.cpp cuts into micro-batches by rows in order, and
+// each session's rows attend over a window of their own (patch 0014: each group of
+// neighbouring sessions over its own cells): every entry goes in one call, which passes
+// over the stage's weights once for all of them. Its rows go in the order of their
+// sessions' places in the pool, so that neighbours in the batch are neighbours in the
+// pool and the groups' windows stay tight. The invariant class's rows do not depend on
+// what shares their call; the stock class's may, as in stock llama.cpp (a session
+// batched with others may differ from it alone: core/numerics.py).
 std::vector<std::vector<int32_t>> plan_calls(meshnet_stage * stage, const meshnet_entry * entries, int32_t n_entries) {
     std::vector<int32_t> order(n_entries);
     for (int32_t i = 0; i < n_entries; ++i) {
         order[i] = i;
     }
-    const auto by_sequence = [&](int32_t a, int32_t b) {
+    if (stage->pooled()) {
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+            return stage->find(entries[a].session_id)->first_block < stage->find(entries[b].session_id)->first_block;
+        });
+        return { order };
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
         return stage->seq_of(stage->find(entries[a].session_id)) < stage->seq_of(stage->find(entries[b].session_id));
-    };
-    std::stable_sort(order.begin(), order.end(), by_sequence);
+    });
     std::vector<std::vector<int32_t>> calls(1);
-    std::vector<int32_t> decode;
     for (const int32_t i : order) {
         if (entries[i].n_tokens == 1) {
-            decode.push_back(i);
+            calls[0].push_back(i);
         } else {
             calls.push_back({ i });
         }
-    }
-    if (!stage->pooled() || decode.size() < 2) {
-        calls[0] = decode;
-        return calls;
-    }
-    // a decode step's cells: from its session's first to the one it adds
-    auto span = [&](int32_t i) {
-        const session_slot * slot = stage->find(entries[i].session_id);
-        const int64_t first = (int64_t) slot->first_block * POOL_BLOCK;
-        return std::make_pair(first, first + entries[i].pos + 1);
-    };
-    std::stable_sort(decode.begin(), decode.end(), [&](int32_t a, int32_t b) { return span(a).first < span(b).first; });
-    std::vector<std::vector<int32_t>> groups;
-    int64_t lo = 0, hi = 0;
-    for (const int32_t i : decode) {
-        const auto [first, end] = span(i);
-        const int64_t rows   = groups.empty() ? 0 : (int64_t) groups.back().size();
-        const int64_t merged = (rows + 1) * (std::max(hi, end) - lo);
-        const int64_t apart  = rows * (hi - lo) + (end - first) + CALL_CELLS;
-        if (groups.empty() || merged > apart) {
-            groups.push_back({ i });
-            lo = first;
-            hi = end;
-        } else {
-            groups.back().push_back(i);
-            hi = std::max(hi, end);
-        }
-    }
-    calls.erase(calls.begin());
-    calls.insert(calls.begin(), groups.begin(), groups.end());
-    // (within a call, rows in sequence order again)
-    for (std::vector<int32_t> & call : calls) {
-        std::sort(call.begin(), call.end(), by_sequence);
     }
     return calls;
 }

@@ -120,9 +120,9 @@ WINDOWED = ["llama-dense", "bloom-dense", "gemma3-dense", "cohere2-dense"]
 
 @pytest.mark.parametrize("stem", WINDOWED)
 def test_decode_steps_across_the_pool_in_shared_calls_give_what_each_gives_alone(stem):
-    """Each session's rows attend over its own span of the pool (patch 0013), and decode
-    steps of sessions far apart in it go in calls of their own (stage.cpp plan_calls):
-    one forward call of four sessions' steps gives each what it gives alone."""
+    """Each group of neighbouring sessions' rows attends over its own span of the pool
+    (patches 0013, 0014), all in one call: one forward call of four sessions' steps gives
+    each what it gives alone."""
     path = MODELS[stem]
     short = prompts(path, 4)
     long_prompt = short[0] + short[1]                    # two blocks, and a third as it decodes
@@ -140,6 +140,47 @@ def test_decode_steps_across_the_pool_in_shared_calls_give_what_each_gives_alone
                        for sid in order]
             out = stage.forward(entries)
             for e, sid in enumerate(order):
+                sessions[sid].logits.append(out.logits[e].copy())
+                sessions[sid].tokens.append(int(out.token[e]))
+    for sid, session in sessions.items():
+        assert same(session, refs[sid]), (stem, sid)
+
+
+@pytest.mark.parametrize("stem", WINDOWED)
+def test_a_prompt_fed_in_chunks_beside_decode_steps_in_one_call_gives_what_each_gives_alone(stem):
+    """A prompt's chunk and other sessions' decode steps share one call (stage.cpp
+    plan_calls), each group of rows over its own window (patch 0014): the chunked prompt
+    and the steps beside it give what each gives alone."""
+    path = MODELS[stem]
+    short = prompts(path, 4)
+    prompt_of = {1: short[0], 2: short[1], 3: short[2], 4: short[3]}
+    steps, chunk = 12, 50
+    refs = {sid: alone(path, p, steps) for sid, p in prompt_of.items()}
+    sessions = {sid: Session(sid, p) for sid, p in prompt_of.items()}
+    with Stage(path, None, n_ctx=1024, max_sessions=4, n_threads=THREADS, pool_cells=8 * BLOCK) as stage:
+        for sid in (1, 2, 3):
+            stage.open_session(sid)
+            sessions[sid].feed(stage)
+        stage.open_session(4)
+        fed = 0
+        while len(sessions[4].logits) < steps + 1:
+            entries, sids = [], []
+            for sid in (1, 2, 3):
+                if len(sessions[sid].logits) < steps + 1:
+                    entries.append(Entry(sid, len(sessions[sid].tokens) - 1, tokens=np.array(sessions[sid].tokens[-1:])))
+                    sids.append(sid)
+            four = sessions[4]
+            if fed < PROMPT:
+                rows = four.tokens[fed:fed + chunk]
+                entries.append(Entry(4, fed, tokens=np.array(rows)))
+                fed += len(rows)
+            else:
+                entries.append(Entry(4, len(four.tokens) - 1, tokens=np.array(four.tokens[-1:])))
+            sids.append(4)
+            out = stage.forward(entries)
+            for e, sid in enumerate(sids):
+                if sid == 4 and fed < PROMPT:
+                    continue              # the prompt's last chunk gives its first token
                 sessions[sid].logits.append(out.logits[e].copy())
                 sessions[sid].tokens.append(int(out.token[e]))
     for sid, session in sessions.items():
