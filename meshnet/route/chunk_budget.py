@@ -1,14 +1,14 @@
 """How many rows of a prompt the next chunk takes while other sessions decode on the same
 route (the invariant class, whose rows may be cut anywhere without changing a float).
 
-A stage runs the decode steps it has waiting (in calls by their places in its KV pool)
-and a prompt chunk as a call of its own between them (engine_c/stage.cpp plan_calls), so
-while a chunk is computed the streams decoding there wait for it. A row's cost is its pass over the layers'
-weights plus its attention over the cells it attends (its session's span of the KV
-pool: patch 0013), and at a few thousand cells of context the attention is the larger
-part. The chunk is sized so that its call costs about CHUNK_SHARE of the decode batch
-it runs beside: the streams' inter-token latency then rises by a bounded factor however
-long the prompt, and the prompt takes longer instead.
+A stage computes the steps it has waiting, decode steps and a prompt chunk, in one call
+(engine_c/stage.cpp plan_calls), so while a chunk is computed the streams decoding there
+wait for it. In the invariant class a row's cost is its own pass over the layers'
+weights plus its attention over the cells it attends (its session's cells of the KV
+pool: patches 0013, 0014), and at a few thousand cells of context the attention is the
+larger part. The chunk is sized so that its rows cost about CHUNK_SHARE of the decode
+batch they run beside: the streams' inter-token latency then rises by a bounded factor
+however long the prompt, and the prompt takes longer instead.
 """
 
 from __future__ import annotations
@@ -46,9 +46,7 @@ def chunk_rows(decoding_cells: Sequence[int], groups: int, context: int, cells_p
     if not decoding_cells:
         return None
     per_batch = math.ceil(len(decoding_cells) / max(1, groups))
-    # a decode batch: its rows, each attending over the span of the batch's sessions
-    # (placed side by side in the pool, as the pool packs them)
-    window = per_batch * sum(decoding_cells) / len(decoding_cells)
-    batch = per_batch * (1 + window / cells_per_row)
+    # a decode batch: its rows, each attending over its own session's cells
+    batch = per_batch * (1 + sum(decoding_cells) / len(decoding_cells) / cells_per_row)
     row = 1 + context / cells_per_row
     return max(1, int(share * batch / row))

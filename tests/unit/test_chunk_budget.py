@@ -27,7 +27,7 @@ def test_the_chunk_shrinks_as_its_context_grows_to_one_row_at_least():
 def test_the_chunk_costs_about_its_share_of_the_decode_batch_beside_it():
     decoding, groups, per_row = [500] * 6, 2, 2000.0
     per_batch = 3
-    batch = per_batch * (1 + per_batch * 500 / per_row)
+    batch = per_batch * (1 + 500 / per_row)
     for context in (0, 2000, 8000):
         rows = chunk_rows(decoding, groups, context, per_row, share=2.0)
         row = 1 + context / per_row
