@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda reference llama-server test-models python model test test-unit run check-patches clean distclean
+.PHONY: all engine engine-cuda cuda-compiler reference llama-server test-models python model test test-unit run check-patches clean distclean
 
 all: engine python model
 
@@ -85,8 +85,12 @@ $(CMAKE_DIR)/.configured: $(TREE)/.stamp engine_c/CMakeLists.txt engine_c/cmake/
 engine: $(CMAKE_DIR)/.configured
 	cmake --build $(CMAKE_DIR) --target meshnet_engine -j $(JOBS)
 
-engine-cuda: $(TREE)/.stamp
+# (nvcc is looked for first, so that a machine without it hears so before the tree is
+# patched or anything configured)
+cuda-compiler:
 	@command -v nvcc >/dev/null || { echo "error: the CUDA engine needs CUDA's compiler, nvcc, on the PATH: install the CUDA toolkit (or put its bin/ on the PATH); plain make builds the CPU engine" >&2; exit 2; }
+
+engine-cuda: cuda-compiler $(TREE)/.stamp
 	cmake -S engine_c -B $(CUDA_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
 	    -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) -DGGML_CUDA_FA=OFF \
 	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(CUDA_DIR)) \
