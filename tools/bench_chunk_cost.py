@@ -9,6 +9,7 @@ route's chunk budget (route/sessions.py) is fitted to them.
 
     python tools/bench_chunk_cost.py [--model smollm2] [--layers 0:15] [--threads 1] [--short 2]
                                      [--contexts 0,1024,2048,4096] [--rows 1,4,8] [--repeats 7]
+                                     [--numerics invariant|stock]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main():
     parser.add_argument("--rows", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--pool", type=int, default=16384)
+    parser.add_argument("--numerics", default=numerics.INVARIANT, help="the stage's numerics class")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     start, end = (int(x) for x in args.layers.split(":"))
@@ -60,7 +62,7 @@ def main():
     rows = [int(x) for x in args.rows.split(",")]
     rng = np.random.default_rng(0)
     stage = Stage(models.ensure(args.model), (start, end), n_ctx=max(contexts) + 512, max_sessions=args.short + 1,
-                  n_threads=args.threads, numerics=numerics.INVARIANT, pool_cells=args.pool)
+                  n_threads=args.threads, numerics=args.numerics, pool_cells=args.pool)
     vocab = stage.n_vocab
     shorts = list(range(1, args.short + 1))
     long_sid = args.short + 1

@@ -61,14 +61,14 @@ def proc_figures(pid: int) -> tuple[int, int] | None:
 class Mesh:
     """The server (a coordinator) and its workers: two per half of the model."""
 
-    def __init__(self, model: str, threads: int, sessions: int):
-        self.model, self.threads, self.sessions = model, threads, sessions
+    def __init__(self, model: str, threads: int, sessions: int, logs: str | None):
+        self.model, self.threads, self.sessions, self.logs = model, threads, sessions, logs
         self.coordinator = f"tcp://127.0.0.1:{free_port()}"
         self.port = free_port()
         self.server = subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli.main", "serve", "--model", model, "--port", str(self.port),
              "--coordinator", self.coordinator, "--insecure", "--resume-wait", "30"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log("serve"), start_new_session=True)
         self.workers: dict[str, list[subprocess.Popen]] = {"0:15": [], "15:30": []}
         for layers in self.workers:
             for _ in range(2):
@@ -79,8 +79,16 @@ class Mesh:
         self.workers[layers].append(subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli.main", "worker", "--coordinator", self.coordinator, "--model",
              self.model, "--layers", layers, "--threads", str(self.threads), "--max-sessions", str(self.sessions),
-             "--insecure"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             "--insecure"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log(f"worker-{layers}"),
             start_new_session=True))
+
+    def log(self, name: str):
+        """Where a process's stderr goes: a file of its own under --logs (to explain a
+        failure), else nowhere."""
+        if self.logs is None:
+            return subprocess.DEVNULL
+        os.makedirs(self.logs, exist_ok=True)
+        return open(os.path.join(self.logs, f"{name.replace(':', '-')}-{time.time_ns()}.log"), "w")
 
     def kill_one(self, rng: random.Random) -> None:
         """SIGKILL a live worker of a random half (the route's or the spare: either is a
@@ -143,10 +151,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="compute threads per worker")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--logs", default=None, help="a folder for each process's stderr")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
-    mesh = Mesh(args.model, args.threads, args.concurrency)
+    mesh = Mesh(args.model, args.threads, args.concurrency, args.logs)
     try:
         client = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=600)
         deadline = time.monotonic() + 600
@@ -206,7 +215,8 @@ def main() -> int:
                                    "rss_change": after[-1][1] / after[0][1] - 1,
                                    "fds_warm": after[0][2], "fds_end": after[-1][2]}
         report = {"args": vars(args), "outcomes": dict(outcomes), "processes": processes,
-                  "kv_in_use_after": [s.get("kv_bytes_used") for s in health.get("stages", [])]}
+                  "kv_in_use_after": [s.get("kv_bytes_used") for s in health.get("stages", [])],
+                  "samples": {name: points for name, points in samples.items()}}
     finally:
         mesh.close()
     for outcome, n in sorted(report["outcomes"].items()):
@@ -223,10 +233,10 @@ def main() -> int:
 
 def warmed_at(points: list[tuple[float, int, int]], run_warm_up: float) -> float:
     """When a process's warm-up ends: the run's first fifth, or for a spare that joined the
-    route later (its RSS rose by a tenth once it took sessions), a minute after it did.
-    Without the second rule a spare's first sessions count as growth."""
-    rose = next((t for t, rss, _ in points if rss > points[0][1] * 1.1), None)
-    return run_warm_up if rose is None else max(run_warm_up, rose + 60)
+    route later, a minute after it did (its open descriptors rose: it opened its links to
+    its neighbours). Without the second rule a spare's first sessions count as growth."""
+    joined = next((t for t, _, fds in points if fds > points[0][2]), None)
+    return run_warm_up if joined is None else max(run_warm_up, joined + 60)
 
 
 def urllib_get(url: str) -> str:
