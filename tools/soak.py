@@ -209,14 +209,15 @@ def main() -> int:
         health = json.loads(urllib_get(mesh.url + "/health"))
         processes = {}
         for name, points in samples.items():
-            after = [p for p in points if p[0] >= warmed_at(points, args.minutes * 60 / 5)]
+            warm = warmed_at(points, args.minutes * 60 / 5)
+            after = [p for p in points if p[0] >= warm]
             if len(after) >= 2:
                 processes[name] = {"rss_warm": after[0][1], "rss_end": after[-1][1],
                                    "rss_change": after[-1][1] / after[0][1] - 1,
                                    "fds_warm": after[0][2], "fds_end": after[-1][2]}
         report = {"args": vars(args), "outcomes": dict(outcomes), "processes": processes,
                   "kv_in_use_after": [s.get("kv_bytes_used") for s in health.get("stages", [])],
-                  "samples": {name: points for name, points in samples.items()}}
+                  "samples": dict(samples)}
     finally:
         mesh.close()
     for outcome, n in sorted(report["outcomes"].items()):
