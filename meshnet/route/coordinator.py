@@ -41,6 +41,10 @@ from meshnet.route.registry import WorkerRecord
 from meshnet.route.events import CallerEvent, Done, Failed, TokenEvent
 from meshnet.route.tracker import StageOffer
 
+# a text request (tokenize, template, detokenize) is sent this many times at most while
+# the workers it goes to are lost under it
+TEXT_TRIES = 3
+
 
 class SessionEvents(queue.Queue):
     """A session's events for its caller; `ended` is set with the last one, so that a
@@ -323,10 +327,13 @@ class Coordinator:
     def _query_stage(self, index: int, msg_type: str, fields: dict, payload=None,
                      check: Callable[[list[WorkerRecord]], None] | None = None) -> Future:
         """A request to the route's stage INDEX; CHECK, given the route, may refuse it
-        first (with a MeshnetError) from what the stages' capabilities say."""
+        first (with a MeshnetError) from what the stages' capabilities say. A text request
+        holds no state on the stage, so one whose worker is lost before it answers goes
+        to the route's stage again (a spare may hold it now), TEXT_TRIES times at most:
+        a request must not fail for a worker that dies while a spare stands by."""
         outer: Future = Future()
 
-        def ask(f):
+        def ask(f, tries_left: int):
             try:
                 route = self._io.registry.route()
                 if check is not None:
@@ -335,10 +342,23 @@ class Coordinator:
                 outer.set_exception(e)
                 return
             inner = self._io.query(route[index], msg_type, fields, payload)
-            inner.add_done_callback(lambda i: outer.set_exception(i.exception()) if i.exception() else outer.set_result(i.result()))
-        submitted = self._io.submit(ask)
-        # a failure inside ask itself must reach the caller, not leave it waiting
-        submitted.add_done_callback(lambda f: f.exception() and not outer.done() and outer.set_exception(f.exception()))
+
+            def answered(i: Future) -> None:
+                error = i.exception()
+                if isinstance(error, MeshnetError) and error.code == E.STAGE_LOST and tries_left > 1:
+                    self._io.counters["text_retries"] += 1
+                    send(tries_left - 1)
+                elif error is not None:
+                    outer.set_exception(error)
+                else:
+                    outer.set_result(i.result())
+            inner.add_done_callback(answered)
+
+        def send(tries_left: int) -> None:
+            submitted = self._io.submit(lambda f: ask(f, tries_left))
+            # a failure inside ask itself must reach the caller, not leave it waiting
+            submitted.add_done_callback(lambda f: f.exception() and not outer.done() and outer.set_exception(f.exception()))
+        send(TEXT_TRIES)
         return outer
 
 

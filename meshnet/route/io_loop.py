@@ -30,7 +30,7 @@ from meshnet.net.heartbeat import Liveness, Pacer, Wakefulness, now
 from meshnet.route.config import MIN_FETCH_RATE, CoordinatorConfig
 from meshnet.route.registry import Registry, WorkerRecord
 from meshnet.route.requests import Pending, RequestKind, Requests
-from meshnet.route.events import Emit, Leave, Push, Request, TokenEvent
+from meshnet.route.events import Emit, Failed, Leave, Push, Request, TokenEvent
 from meshnet.route.listener import Listener, peer_key
 from meshnet.route.sessions import SessionTable
 from meshnet.route.standby import plan_standby
@@ -214,6 +214,8 @@ class IOLoop:
             effect = todo.popleft()
             if isinstance(effect, Emit):
                 events = self.callers.get(effect.sid)
+                if isinstance(effect.event, Failed) and effect.event.error.code != E.CANCELLED:
+                    self._log_failure(effect.sid, effect.event.error)
                 if events is not None:
                     if not isinstance(effect.event, TokenEvent):
                         del self.callers[effect.sid]
@@ -229,6 +231,14 @@ class IOLoop:
                 if not self.sockets.push(effect.head.capability.data_endpoint, effect.head.public_key,
                                          P.encode(P.ACT, 0, **effect.fields)):
                     todo.extend(self.table.push_failed(effect.sid))
+
+    def _log_failure(self, sid: int, error: MeshnetError) -> None:
+        """Why a session ended other than by its caller: the log that explains a client's
+        error (a flood of them is sampled, as refused handshakes are)."""
+        self.counters["sessions_failed"] += 1
+        n = self.counters["sessions_failed"]
+        if n <= 100 or n % 1000 == 0:
+            log.warning("coordinator: session %x ended with %s: %s", sid, error.code, error.message)
 
     def _send(self, identity: bytes, frames: list) -> bool:
         failed = self.sockets.send(identity, frames)

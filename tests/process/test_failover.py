@@ -181,6 +181,32 @@ def test_a_killed_stage_with_a_spare_loses_no_session_and_changes_no_token(stage
     assert f"meshnet_resumes_total{{}} {resumes['count']}" in text and 'meshnet_resume_ms{quantile="0.99"}' in text
 
 
+def test_a_text_request_whose_worker_is_lost_before_it_answers_goes_to_the_spare(stages, expected):
+    """Tokenizing holds no state on the head: a request in flight when the head is lost is
+    asked again of the spare that took the range, and the caller never sees the loss."""
+    coordinator = stages.cluster.coordinator
+    head = HALVES[0]
+    stages.add_spare(head)
+    want = coordinator.tokenize(PROMPTS[0])
+    before = coordinator.counters()["text_retries"]
+    stalled = stages.queues[head].popleft()
+    os.kill(stalled.pid, signal.SIGSTOP)   # it takes the request and never answers
+    try:
+        outcome = {}
+        asked = threading.Thread(target=lambda: outcome.update(tokens=coordinator.tokenize(PROMPTS[0], timeout=60)))
+        asked.start()
+        deadline = time.monotonic() + 60   # lost once it misses its heartbeats
+        while len(coordinator.workers_snapshot()) > len(stages.queues[HALVES[0]]) + len(stages.queues[HALVES[1]]):
+            assert time.monotonic() < deadline, "the coordinator never dropped a stopped worker"
+            time.sleep(0.05)
+        asked.join(60)
+    finally:
+        stalled.kill()
+        stalled.wait()
+    assert outcome == {"tokens": want}
+    assert coordinator.counters()["text_retries"] == before + 1
+
+
 def test_with_no_spare_and_no_wait_a_lost_stage_ends_its_sessions_at_once(stages, expected):
     coordinator = stages.cluster.coordinator
     tail = HALVES[1]
