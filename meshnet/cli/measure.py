@@ -153,13 +153,15 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, nu
 @click.option("--out", "out_dir", default="evidence", show_default=True, help="where the run's directory is written")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
 @numerics_option
-def accept(model, out_dir, threads, numerics):
+@click.option("--only", "only", multiple=True, metavar="CHECK",
+              help="run only this check (repeatable); the others are recorded as not asked for")
+def accept(model, out_dir, threads, numerics, only):
     """Run the local two-process acceptance and write evidence/<run-id>/ (manifest + README).
     Each numerics class is also held to stock llama.cpp built as it says (make reference)."""
     from meshnet.evidence.accept import run_acceptance
 
     try:
-        manifest, run_dir = run_acceptance(model, out_dir, threads, numerics)
+        manifest, run_dir = run_acceptance(model, out_dir, threads, numerics, frozenset(only) if only else None)
     except MeshnetError as e:
         fail(e)
     for check in manifest["checks"]:

@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+from meshnet.core import errors as E
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
@@ -42,14 +43,18 @@ CHECK_NAMES = ("whole_model_parity", "greedy_decode_32", "four_session_isolation
 
 
 class Checks:
-    """Runs each check, catching whatever it raises: one failure never hides the others."""
+    """Runs each check, catching whatever it raises: one failure never hides the others.
+    With ONLY (check names), the others are recorded as not asked for, and not judged."""
 
-    def __init__(self):
+    def __init__(self, only: frozenset[str] | None = None):
         self.results: list[dict] = []
+        self.only = only
 
     def run(self, name: str, description: str, fn, *needs: str) -> dict:
         missing = [n for n in needs if self.status(n) != "passed"]
-        if missing:
+        if self.only is not None and name not in self.only:
+            result = {"status": "not_run", "reason": "not asked for (--only)", "not_asked": True}
+        elif missing:
             result = {"status": "not_run", "reason": f"needs {', '.join(missing)} to pass first"}
         else:
             t0 = time.monotonic()
@@ -70,7 +75,7 @@ class Checks:
 
     @property
     def passed(self) -> bool:
-        return all(r["status"] == "passed" or r.get("not_promised") for r in self.results)
+        return all(r["status"] == "passed" or r.get("not_promised") or r.get("not_asked") for r in self.results)
 
     def status(self, name: str) -> str | None:
         return next((r["status"] for r in self.results if r["name"] == name), None)
@@ -133,6 +138,7 @@ def _write_run(out_dir, started, model, path, sha256, ranges, numerics, commands
         "checks": checks.results,
         "metrics": metrics,
         "passed": checks.passed,
+        **({"only": sorted(checks.only)} if checks.only is not None else {}),
     }
     run_dir = Path(out_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,12 +148,16 @@ def _write_run(out_dir, started, model, path, sha256, ranges, numerics, commands
 
 
 def run_acceptance(model: str = "smollm2", out_dir: str | Path = "evidence", threads: int = 0,
-                   numerics: str | None = None) -> tuple[dict, Path]:
+                   numerics: str | None = None, only: frozenset[str] | None = None) -> tuple[dict, Path]:
+    """Every check, or those named in ONLY (a partial run, which the manifest says)."""
+    unknown = sorted(set(only or ()) - set(CHECK_NAMES))
+    if unknown:
+        raise MeshnetError(E.INVALID_ARGUMENT, f"no check named {', '.join(unknown)}; the checks: {', '.join(CHECK_NAMES)}")
     started = datetime.datetime.now(datetime.timezone.utc)
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = layout.balanced_ranges(2)
-    checks = Checks()
+    checks = Checks(only)
     metrics: dict = {}
     commands = [" ".join(["meshnet", *sys.argv[1:]]) if Path(sys.argv[0]).name == "meshnet" else " ".join(sys.argv)]
 
@@ -335,6 +345,7 @@ def _readme(m: dict) -> str:
              f"- backend: {ident['backend']['kind']}; hardware: {ident['hardware']['cpu']}, {ident['hardware']['cores']} cores, "
              f"{(ident['hardware']['ram_bytes'] or 0) / 2**30:.1f} GiB; {ident['os']}; Python {ident['python']}",
              f"- network: {ident['network']}; stages {m['stages']}", "",
+             *([f"A partial run: only {', '.join(m['only'])} asked for (`--only`).", ""] if "only" in m else []),
              "| check | status | key numbers |", "| --- | --- | --- |"]
     for c in m["checks"]:
         keys = {k: v for k, v in c.items() if k not in ("name", "description", "status", "traceback", "tokens",

@@ -64,13 +64,23 @@ def test_accept_passes_and_writes_a_manifest_that_matches_the_schema(tmp_path, s
 
 def test_accept_reports_a_corrupted_check_as_failed_and_exits_nonzero(tmp_path, smollm2_path):
     env = dict(os.environ, MESHNET_TEST_FAULT="wrong_logits")  # test-only: the tail worker corrupts its logits
-    result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS), env=env)
+    # (the parity check alone: the full run is the test above)
+    result = meshnet("accept", "--out", str(tmp_path), "--threads", str(THREADS), "--only", "whole_model_parity",
+                     env=env)
     assert result.returncode == 1
     assert "failed  whole_model_parity" in result.stdout
     manifest = manifest_in(tmp_path)
-    assert not manifest["passed"]
+    assert not manifest["passed"] and manifest["only"] == ["whole_model_parity"]
     parity = next(c for c in manifest["checks"] if c["name"] == "whole_model_parity")
     assert parity["status"] == "failed" and parity["max_abs_logit_diff"] > 0
+    others = [c for c in manifest["checks"] if c["name"] != "whole_model_parity"]
+    assert len(others) == 9 and all(c["status"] == "not_run" and c.get("not_asked") for c in others)
+
+
+def test_accept_refuses_a_check_it_does_not_have(tmp_path):
+    result = meshnet("accept", "--out", str(tmp_path), "--only", "whole_model_parity", "--only", "speed")
+    assert result.returncode != 0 and "no check named speed" in result.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_prints_every_configuration_with_spread_and_the_cost_of_keys(arch_models):
