@@ -207,6 +207,9 @@ def main() -> int:
             t.join(timeout=600)
         time.sleep(5)
         health = json.loads(urllib_get(mesh.url + "/health"))
+        # what the coordinator did for the caller when a worker was lost under a request
+        counted = {m.group(1): int(float(m.group(2))) for m in re.finditer(
+            r"^meshnet_(resumes_total|text_retries_total)\{\} (\S+)$", urllib_get(mesh.url + "/metrics"), re.M)}
         processes = {}
         for name, points in samples.items():
             warm = warmed_at(points, args.minutes * 60 / 5)
@@ -215,7 +218,7 @@ def main() -> int:
                 processes[name] = {"rss_warm": after[0][1], "rss_end": after[-1][1],
                                    "rss_change": after[-1][1] / after[0][1] - 1,
                                    "fds_warm": after[0][2], "fds_end": after[-1][2]}
-        report = {"args": vars(args), "outcomes": dict(outcomes), "processes": processes,
+        report = {"args": vars(args), "outcomes": dict(outcomes), "coordinator": counted, "processes": processes,
                   "kv_in_use_after": [s.get("kv_bytes_used") for s in health.get("stages", [])],
                   "samples": dict(samples)}
     finally:
@@ -226,6 +229,8 @@ def main() -> int:
         print(f"{name:28} RSS {p['rss_warm'] >> 20} -> {p['rss_end'] >> 20} MiB ({p['rss_change']:+.1%}), "
               f"fds {p['fds_warm']} -> {p['fds_end']}")
     print("KV in use after the load:", report["kv_in_use_after"])
+    print("sessions resumed on a spare:", report["coordinator"].get("resumes_total", 0),
+          "| text requests asked again:", report["coordinator"].get("text_retries_total", 0))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -120,7 +120,9 @@ def prometheus_text(snapshot: dict) -> str:
             ("speculation_drafted_total", "drafted tokens the route verified", "speculation_drafted"),
             ("speculation_accepted_total", "drafted tokens the route kept (its own draws)", "speculation_accepted"),
             ("kv_pauses_total", "times a stage's KV pool had no room for a session, which waited in line to be "
-             "replayed", "kv_pauses")):
+             "replayed", "kv_pauses"),
+            ("text_retries_total", "text requests (tokenize, template) asked again of the route because the worker "
+             "they went to was lost before it answered", "text_retries")):
         metric(name, "counter", help_text, [({}, counters.get(key))])
     caches = [(s, s.get("prefix_cache")) for s in stages if s.get("prefix_cache")]
     for name, kind, help_text, key in (

@@ -205,6 +205,7 @@ def test_a_text_request_whose_worker_is_lost_before_it_answers_goes_to_the_spare
         stalled.wait()
     assert outcome == {"tokens": want}
     assert coordinator.counters()["text_retries"] == before + 1
+    assert f"meshnet_text_retries_total{{}} {before + 1}" in prometheus_text(coordinator.metrics())
 
 
 def test_with_no_spare_and_no_wait_a_lost_stage_ends_its_sessions_at_once(stages, expected):

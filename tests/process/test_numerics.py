@@ -155,7 +155,9 @@ def test_a_route_that_mixes_numerics_classes_is_refused_naming_both(smollm2_path
 def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_says(model, numerics, smollm2_path,
                                                                                   qwen_path):
     # stock: the pin's default build; invariant: the pin without llamafile, repacking and
-    # the tiled matmul (meshnet/evidence/reference.py). 8 prompts x 32 greedy tokens through 2 workers.
+    # the tiled matmul (meshnet/evidence/reference.py). 8 prompts x 32 greedy tokens through 2 workers:
+    # one after another in the stock class (batched rows may change its floats), all at once
+    # in the invariant class (they must not)
     from meshnet.evidence import prompts, reference
     from meshnet.launch.local_cluster import LocalCluster
 
@@ -163,14 +165,21 @@ def test_a_split_route_gives_the_tokens_of_stock_llama_cpp_built_as_its_class_sa
     n_tokens = 32
     expected = reference.greedy(path, prompts.CLASS_CHECK, n_tokens, numerics, threads=THREADS)
     ranges = read_layout(path).balanced_ranges(2)
-    with LocalCluster(path, ranges, threads=THREADS, n_ctx=512, max_sessions=1, numerics=numerics) as cluster:
+    together = numerics == "invariant"
+    sessions = len(prompts.CLASS_CHECK) if together else 1
+    with LocalCluster(path, ranges, threads=THREADS, n_ctx=512, max_sessions=sessions, numerics=numerics) as cluster:
         coordinator = cluster.coordinator
         assert {w["numerics"] for w in coordinator.workers_snapshot()} == {numerics}
+        prompt_tokens = [coordinator.tokenize(prompt) for prompt in prompts.CLASS_CHECK]
+        assert prompt_tokens == [ref_prompt for ref_prompt, _ in expected]
+        if together:
+            handles = [coordinator.generate(tokens, n_tokens, stop_at_eog=False) for tokens in prompt_tokens]
+            answers = [h.result(600).tokens for h in handles]
+        else:
+            answers = [coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600).tokens
+                       for tokens in prompt_tokens]
         parted = []
-        for prompt, (ref_prompt, ref_tokens) in zip(prompts.CLASS_CHECK, expected):
-            tokens = coordinator.tokenize(prompt)
-            assert tokens == ref_prompt
-            got = coordinator.generate(tokens, n_tokens, stop_at_eog=False).result(600).tokens
+        for prompt, (_, ref_tokens), got in zip(prompts.CLASS_CHECK, expected, answers):
             check = reference.agreement(ref_tokens, got)
             if not check["agrees"]:
                 parted.append((prompt[:30], check["first_divergence"]))
