@@ -212,13 +212,14 @@ def main() -> int:
             r"^meshnet_(resumes_total|text_retries_total)\{\} (\S+)$", urllib_get(mesh.url + "/metrics"), re.M)}
         processes = {}
         for name, points in samples.items():
-            warm = warmed_at(points, args.minutes * 60 / 5)
+            warm = warmed_at(points, args.minutes * 60 / 5, worker=name.startswith("worker"))
             after = [p for p in points if p[0] >= warm]
             if len(after) >= 2:
                 processes[name] = {"rss_warm": after[0][1], "rss_end": after[-1][1],
                                    "rss_change": after[-1][1] / after[0][1] - 1,
                                    "fds_warm": after[0][2], "fds_end": after[-1][2]}
         report = {"args": vars(args), "outcomes": dict(outcomes), "coordinator": counted, "processes": processes,
+                  "not_measured": sorted(set(samples) - set(processes)),
                   "kv_in_use_after": [s.get("kv_bytes_used") for s in health.get("stages", [])],
                   "samples": dict(samples)}
     finally:
@@ -228,6 +229,8 @@ def main() -> int:
     for name, p in sorted(report["processes"].items()):
         print(f"{name:28} RSS {p['rss_warm'] >> 20} -> {p['rss_end'] >> 20} MiB ({p['rss_change']:+.1%}), "
               f"fds {p['fds_warm']} -> {p['fds_end']}")
+    for name in report["not_measured"]:
+        print(f"{name:28} joined in the run's last minute, or was killed before its warm-up ended: not measured")
     print("KV in use after the load:", report["kv_in_use_after"])
     print("sessions resumed on a spare:", report["coordinator"].get("resumes_total", 0),
           "| text requests asked again:", report["coordinator"].get("text_retries_total", 0))
@@ -237,12 +240,17 @@ def main() -> int:
     return 0
 
 
-def warmed_at(points: list[tuple[float, int, int]], run_warm_up: float) -> float:
-    """When a process's warm-up ends: the run's first fifth, or for a spare that joined the
-    route later, a minute after it did (its open descriptors rose: it opened its links to
-    its neighbours). Without the second rule a spare's first sessions count as growth."""
-    joined = next((t for t, _, fds in points if fds > points[0][2]), None)
-    return run_warm_up if joined is None else max(run_warm_up, joined + 60)
+def warmed_at(points: list[tuple[float, int, int]], run_warm_up: float, worker: bool = True) -> float:
+    """When a process's warm-up ends: the run's first fifth, or for a worker that joined the
+    route later (a spare), a minute after it did: when its open descriptors first reached
+    their most (it opened its links to its neighbours; a spare sampled while it still loaded
+    rises once when it has loaded and again when it joins). Without the second rule a
+    spare's first sessions count as growth. (serve's descriptors follow its clients.)"""
+    if not worker:
+        return run_warm_up
+    most = max(fds for _, _, fds in points)
+    joined = next(t for t, _, fds in points if fds == most)
+    return max(run_warm_up, joined + 60) if most > points[0][2] else run_warm_up
 
 
 def urllib_get(url: str) -> str:
