@@ -247,12 +247,13 @@ def test_a_lost_stage_is_a_structured_error_within_3_s_the_survivors_free_the_kv
 
 def test_a_long_prefill_on_a_busy_worker_is_not_declared_dead(smollm2_path, reference):
     long_tokens = (reference[LONG_PROMPT][0] * 5)[:1000]
-    # the whole prompt in one forward call: seconds of compute, far past the liveness window
-    # (1 s: a loaded 2-core machine may hold a loading worker's answer past half a second)
-    with cluster(smollm2_path, HALVES, prefill_chunk=1024, heartbeat_interval=0.1, heartbeat_liveness=10) as c:
+    # chunks of n_batch (512) rows, each call about as long as the liveness window at one
+    # thread and seconds in all (1.5 s: a loaded 2-core machine may hold a process off its
+    # CPU for a second)
+    with cluster(smollm2_path, HALVES, prefill_chunk=1024, heartbeat_interval=0.1, heartbeat_liveness=15) as c:
         session = c.coordinator.generate(long_tokens, 4, stop_at_eog=False).result()
         assert len(session.tokens) == 4
-        assert session.metrics["ttft_ms"] > 1000  # it really was longer than the 1 s liveness window
+        assert session.metrics["ttft_ms"] > 1500  # it really was longer than the liveness window
         assert c.coordinator.counters()["workers_lost"] == 0
 
 
@@ -417,7 +418,9 @@ def test_a_request_past_its_deadline_ends_the_session_with_a_structured_error(sm
             c.coordinator.generate(long_tokens, 4).result()
         assert err.value.code == "deadline_exceeded"
         assert err.value.context["stage"] == "[0,15)" and "[0,15)" in err.value.message
-        assert time.monotonic() - t0 < 1.5
+        # long before the prompt's first token would have come (seconds at one thread); a
+        # loaded machine may hold the processes off their CPUs for a second or two
+        assert time.monotonic() - t0 < 5
         # the stages drop the session, and the route still serves
         assert wait_until(lambda: all(s["n_sessions"] == 0 for s in c.coordinator.stage_stats()))
         assert len(c.coordinator.generate(reference[PROMPTS[0]][0], 4).result().tokens) == 4
