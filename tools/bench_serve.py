@@ -11,7 +11,7 @@ figures, no pass/fail.
 
     python tools/bench_serve.py [--model smollm2] [--concurrency 1,4,16,64] [--classes invariant,stock]
                                 [--stages 2] [--threads 2] [--slots 16] [--max-tokens 128] [--repeats 3]
-                                [--prompts shared|unique] [--url http://HOST:PORT] [--json FILE]
+                                [--prompts shared|unique] [--flash-attn] [--url http://HOST:PORT] [--json FILE]
 
 --prompts unique starts each request's context with its own line, so that no server
 reuses a cached prefix of another request's (llama-server's prompt cache, meshnet's
@@ -103,9 +103,15 @@ def meshnet_server(args, stages: int, numerics: str) -> Server:
     command = [sys.executable, "-m", "meshnet.cli.main", "serve", "--port", "0", "--model", args.model,
                "--stages", str(stages), "--threads", str(max(1, args.threads // stages)),
                "--max-sessions", str(args.slots), "--ctx", str(args.ctx), "--numerics", numerics]
+    if numerics == "stock" and args.flash_attn:
+        command.append("--flash-attn")
     env = {k: v for k, v in os.environ.items() if k != "MESHNET_API_KEY"}
-    return Server(f"meshnet {stages} stage{'s' if stages > 1 else ''} ({numerics})", command,
+    return Server(f"meshnet {stages} stage{'s' if stages > 1 else ''} ({class_label(args, numerics)})", command,
                   r"on (http://[^ ]+)/v1", env=env)
+
+
+def class_label(args, numerics: str) -> str:
+    return numerics + (" + flash attn" if numerics == "stock" and args.flash_attn else "")
 
 
 def llama_server(args) -> Server:
@@ -186,7 +192,7 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="measure this running server only")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--classes", default="invariant,stock", help="meshnet's numerics classes to run")
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=2, help="meshnet over this many stages, and over one [1: one only]")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for each server in all")
     parser.add_argument("--slots", type=int, default=16, help="sessions at once, for every server")
     parser.add_argument("--ctx", type=int, default=1024, help="context tokens per slot")
@@ -195,6 +201,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (their median is shown)")
     parser.add_argument("--prompts", choices=("shared", "unique"), default="shared",
                         help="a system prompt every request shares, or each its own (no cached prefix)")
+    parser.add_argument("--flash-attn", action="store_true",
+                        help="meshnet's stock class with flash attention, as llama-server runs by default")
     parser.add_argument("--llama-server", default=LLAMA_SERVER)
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
@@ -205,9 +213,10 @@ def main() -> int:
         plans.append((args.url, None))
     else:
         for numerics in args.classes.split(","):
-            plans.append((f"meshnet {args.stages} stages ({numerics})",
-                          lambda n=numerics: meshnet_server(args, args.stages, n)))
-            plans.append((f"meshnet 1 stage ({numerics})", lambda n=numerics: meshnet_server(args, 1, n)))
+            if args.stages > 1:
+                plans.append((f"meshnet {args.stages} stages ({class_label(args, numerics)})",
+                              lambda n=numerics: meshnet_server(args, args.stages, n)))
+            plans.append((f"meshnet 1 stage ({class_label(args, numerics)})", lambda n=numerics: meshnet_server(args, 1, n)))
         if os.path.exists(args.llama_server):
             plans.append(("llama-server (stock)", lambda: llama_server(args)))
         else:

@@ -10,8 +10,8 @@ import sys
 import click
 
 from meshnet.cli.local import TextStreamer
-from meshnet.cli.options import (fail, numerics_option, parse_size, prefix_cache_option, refuse_open_without_keys,
-                                 resume_options, speculate_option, usage_error)
+from meshnet.cli.options import (fail, flash_attn_option, numerics_option, parse_size, prefix_cache_option,
+                                 refuse_open_without_keys, resume_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
@@ -66,6 +66,7 @@ from meshnet.launch.progress import load_bars
 @click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
                                             "make GPU=cuda); it then reports backend CUDA and the GPU's name")
 @numerics_option(baseline=True)
+@flash_attn_option
 @click.option("--trace", default=None, help="record a span per step of the per-token path and write them to this "
                                             "file (JSON) when the worker stops: what meshnet bench --trace reads")
 @click.option("--spin-ms", type=click.FloatRange(min=0), default=None,
@@ -76,7 +77,7 @@ from meshnet.launch.progress import load_bars
 def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, kv_pool,
            max_queue,
            data_bind, cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu,
-           numerics, trace, spin_ms, prefix_cache_mib):
+           numerics, flash_attn, trace, spin_ms, prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.net.join import MAX_TOKEN_CHARS
@@ -107,6 +108,12 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
         raise click.UsageError("where is the coordinator? give a join token (MESHNET_JOIN or --join-file), "
                                "--coordinator ADDRESS or --discover")
     refuse_open_without_keys("--data-bind", data_bind, secret_file or join_token, insecure)
+    from meshnet.core import numerics as numerics_classes
+
+    try:
+        numerics_classes.check_flash_attn(numerics or numerics_classes.default_for(gpu), flash_attn)
+    except MeshnetError as e:
+        raise click.UsageError(e.message) from None
     if numerics == "baseline":
         # the engine before the classes turned the tiled matmul off for its whole process
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
@@ -133,8 +140,8 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
                               model_sha256=sha256, n_ctx=settings.n_ctx, max_sessions=max_sessions,
                               kv_pool=settings.kv_pool, kv_pool_floor=settings.pool_floor,
                               n_threads=threads,
-                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, trace=trace,
-                              spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
+                              data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, flash_attn=flash_attn,
+                              trace=trace, spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
                               coordinator_key=joined.coordinator_key, fetch=joined.fetch,
                               weights=holder.endpoint if holder is not None else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,

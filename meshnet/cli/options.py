@@ -89,6 +89,15 @@ def numerics_option(command=None, *, baseline: bool = False):
     return decorate(command) if command is not None else decorate
 
 
+def flash_attn_option(command):
+    """--flash-attn: llama.cpp's flash-attention kernels, as llama-server uses by default;
+    the stock class only, since their sums change with the rows beside a row."""
+    return click.option("--flash-attn", "flash_attn", is_flag=True, default=False,
+                        help="flash attention (llama-server's default on a CPU): faster attention and no 16-bit "
+                             "transposed V; needs --numerics stock, and its tokens are those of the whole model "
+                             "with flash attention, not without")(command)
+
+
 def prefix_cache_option(command):
     """--prefix-cache: the memory each stage keeps of ended sessions, so that a session
     starting as one of them did (a chat's next turn, a shared system prompt) computes only

@@ -47,3 +47,11 @@ def default_for(gpu: bool) -> str:
     """The class a stage runs when none is named: invariant, but a GPU's kernels are not
     row-invariant, so a GPU stage runs stock."""
     return STOCK if gpu else INVARIANT
+
+
+def check_flash_attn(name_: str, flash_attn: bool) -> None:
+    """Flash attention's CPU kernels sum a row differently beside other rows, so only the
+    stock class may run them; MeshnetError(invalid_argument) otherwise, before a stage loads."""
+    if flash_attn and name_ != STOCK:
+        raise MeshnetError(INVALID_ARGUMENT, f"flash attention runs in the stock numerics class, not {name_}: "
+                           "its kernels sum a row differently beside other rows; add --numerics stock")

@@ -164,6 +164,7 @@ class LocalCluster:
         secure: bool = True,
         gpu_stages: Sequence[int] = (),
         numerics: str | None = None,
+        flash_attn: bool = False,
         trace_dir: str | None = None,
         prefix_cache_mib: int | None = None,
         progress: Callable[[str], None] | None = None,
@@ -175,7 +176,7 @@ class LocalCluster:
         # one class for the whole route, a GPU stage's or not (a GPU runs stock)
         self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
         self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
-                                   numerics=self.numerics,
+                                   numerics=self.numerics, flash_attn=flash_attn,
                                    **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                                            heartbeat_liveness=heartbeat_liveness, prefix_cache_mib=prefix_cache_mib))
         if heartbeat_interval is not None:

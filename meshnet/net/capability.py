@@ -28,6 +28,7 @@ FIELDS: dict[str, tuple] = {
     "device": (STR, False, short_text),         # the processor the layers run on, by name (once it holds layers)
     "wire_dtype": (STR, True, lambda v: v == "f32"),
     "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
+    "flash_attn": (BOOL, False, None),          # flash attention (the stock class only): part of the class too
     "max_sessions": (INT, True, at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, at_most(MAX_CTX)),
     "kv_pool": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # cells of its sessions' shared KV pool
@@ -74,6 +75,9 @@ def _checked_wire(capability: dict, rid: int | None = None) -> dict:
     where = "ready: capability"
     if "layers" in fields and "loading" in fields:
         raise ProtocolError(E.BAD_FIELD, f"{where}: a worker holds its 'layers' or is 'loading' them, not both", rid)
+    if fields.get("flash_attn") and fields["numerics"] != numerics.STOCK:
+        raise ProtocolError(E.BAD_FIELD, f"{where}: flash attention runs in the stock numerics class, not "
+                            f"{fields['numerics']}", rid)
     if "loading" in fields:
         if fields["loading"][1] > fields["n_layer"]:
             raise ProtocolError(E.BAD_FIELD, f"{where}: loading {fields['loading']} is outside a model of "
@@ -134,6 +138,7 @@ class Capability:
     fetches: bool | None = None
     kv_pool: int = 0
     kv_pool_floor: int = 0
+    flash_attn: bool = False  # part of the compatibility class
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":
@@ -153,7 +158,7 @@ class Capability:
     def to_wire(self) -> dict:
         """The map a worker sends (and `meshnet status` shows): the fields that are set."""
         wire = {k: v for k, v in asdict(self).items() if v is not None and k != "cost"}
-        for name in ("kv_pool", "kv_pool_floor"):
+        for name in ("kv_pool", "kv_pool_floor", "flash_attn"):
             if not getattr(self, name):
                 del wire[name]   # (none: as a worker without one sends it)
         for name in ("layers", "loading"):

@@ -2,7 +2,7 @@
 refusal that says why (gap, overlap, hash mismatch, incompatible class).
 
 Only workers of one compatibility class (model sha256, engine pin with its patch hash,
-backend, wire dtype, numerics class) share a route; the others are kept out with a reason naming both
+backend, wire dtype, numerics class, flash attention) share a route; the others are kept out with a reason naming both
 classes, and never stop the compatible ones from forming one. Several workers may offer
 the same range (spares): any live one will do. Between complete candidate routes the
 tracker prefers fewer stages, then the earliest registered workers, so the choice never
@@ -26,9 +26,11 @@ class CompatClass(NamedTuple):
     backend: str
     wire_dtype: str
     numerics: str
+    flash_attn: bool = False   # its attention sums differ from the plain kernels': a class of its own
 
     def __str__(self) -> str:
-        return f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype} numerics {self.numerics}"
+        return (f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype} numerics "
+                f"{self.numerics}" + (" flash attention" if self.flash_attn else ""))
 
     def differences(self, other: "CompatClass") -> str:
         """What differs, in words: 'model abc... vs def...; backend CPU vs CUDA'."""
@@ -72,7 +74,7 @@ class StageOffer:
 
 def compat_class_of(capability: Capability) -> CompatClass:
     return CompatClass(capability.model_sha256, capability.engine_pin, capability.backend,
-                       capability.wire_dtype, capability.numerics)
+                       capability.wire_dtype, capability.numerics, capability.flash_attn)
 
 
 def offer_from_capability(worker: str, capability: Capability, registered: int = 0) -> StageOffer:

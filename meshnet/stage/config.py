@@ -54,6 +54,7 @@ class WorkerConfig:
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
     gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
     numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
+    flash_attn: bool = False               # llama.cpp's flash-attention kernels (the stock class only)
     trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
     spin_ms: float | None = None           # polling for the next input before sleeping; None: spin_ms_for
     prefix_cache_mib: int = defaults.PREFIX_CACHE_MIB   # the prefix store's cap (stage/prefix_store.py); 0: none
@@ -102,6 +103,8 @@ class WorkerConfig:
                 argv += [flag, str(value)]
         if self.gpu:
             argv.append("--gpu")
+        if self.flash_attn:
+            argv.append("--flash-attn")
         if key_files is not None:
             argv += ["--secret", str(key_files[0]), "--coordinator-key", str(key_files[1])]
         return argv

@@ -156,7 +156,8 @@ class StageWorker:
         self.load_progress = 0.0
         stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                       n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
-                      numerics=config.numerics_class, progress=progress, pool_cells=self._pool_for(layers))
+                      numerics=config.numerics_class, flash_attn=config.flash_attn, progress=progress,
+                      pool_cells=self._pool_for(layers))
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
@@ -211,6 +212,7 @@ class StageWorker:
             "backend": "CUDA" if self.config.gpu else "CPU",
             "wire_dtype": "f32",
             "numerics": self.config.numerics_class,
+            **({"flash_attn": True} if self.config.flash_attn else {}),
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
             **({"kv_pool": self.config.kv_pool} if self.config.kv_pool else {}),

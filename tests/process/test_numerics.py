@@ -224,3 +224,42 @@ def _route_workers(coordinator) -> int:
         return len(coordinator.route())
     except MeshnetError:
         return 0
+
+
+def test_a_flash_attention_route_gives_the_whole_model_s_tokens_with_flash_attention(smollm2_path):
+    # flash attention is the stock class's option (llama-server's default on a CPU): a route
+    # of two stock workers with it, over a shared KV pool, gives what the whole model gives
+    # with it in one process, fed as stock feeds a prompt; a worker without it is kept out
+    from meshnet.engine.pipeline import LocalPipeline
+    from meshnet.evidence import prompts
+    from meshnet.launch.local_cluster import LocalCluster
+
+    n_tokens = 24
+    options = dict(n_ctx=512, max_sessions=1, n_threads=THREADS, numerics="stock")
+    with LocalPipeline(smollm2_path, [(0, 30)], flash_attn=True, **options) as whole:
+        prompt_tokens = [whole.head.tokenize(p) for p in prompts.CLASS_CHECK]
+        expected = [whole.generate(t, n_tokens, stop_at_eog=False, keep_logits=True) for t in prompt_tokens]
+    with LocalPipeline(smollm2_path, [(0, 30)], **options) as plain:
+        without = plain.generate(prompt_tokens[-1], 1, stop_at_eog=False, keep_logits=True)
+    # (else the class would hold nothing apart: its sums are not the plain kernels')
+    assert not np.array_equal(without.logits[0], expected[-1].logits[0])
+    ranges = read_layout(smollm2_path).balanced_ranges(2)
+    with LocalCluster(smollm2_path, ranges, threads=THREADS, n_ctx=512, max_sessions=2, kv_pool=1024,
+                      numerics="stock", flash_attn=True, secure=False) as cluster:   # (plain: the third worker joins)
+        coordinator = cluster.coordinator
+        assert [w.get("flash_attn") for w in coordinator.workers_snapshot()] == [True, True]
+        # (the prompt in one chunk, as stock feeds it: flash attention's sums follow the chunks)
+        answers = [coordinator.generate(t, n_tokens, stop_at_eog=False, prefill_chunk=512).result(600).tokens
+                   for t in prompt_tokens]
+        plain_worker = start_worker(smollm2_path, coordinator.endpoint, ranges[1].as_tuple(), "--numerics", "stock")
+        try:
+            def plain_kept_out() -> str:
+                stages = coordinator.metrics()["stages"]
+                return next((s["kept_out"] or "" for s in stages if s["worker"] not in
+                             {w["name"] for w in coordinator.workers_snapshot() if w.get("flash_attn")}), "")
+            assert wait_until(lambda: "flash attn False vs True" in plain_kept_out(), timeout=120), plain_kept_out()
+        finally:
+            plain_worker.terminate()
+            plain_worker.wait(30)
+    assert max(len(t) for t in prompt_tokens) > 64
+    assert answers == [e.tokens for e in expected]

@@ -94,6 +94,15 @@ def test_a_route_that_mixes_numerics_classes_is_refused_naming_both():
     assert "numerics stock vs invariant" in message
 
 
+def test_flash_attention_is_a_class_of_its_own_within_the_stock_class():
+    stock = ("llama.cpp@0c1e57098", "CPU", "f32", "stock")
+    message = refusal([offer("w1", 0, 15, compat=stock), offer("w2", 15, 30, compat=(*stock, True))])
+    assert "w2 [15,30) (incompatible class" in message and "flash attn True vs False" in message
+    assert "numerics stock flash attention" in str(CompatClass(SHA_A, *stock, True))
+    assert spans(build_route([offer("h", 0, 15, compat=(*stock, True)), offer("t", 15, 30, compat=(*stock, True))])) \
+        == [(0, 15), (15, 30)]
+
+
 def test_a_worker_of_another_class_never_makes_the_route_incomplete_for_the_compatible_ones():
     gpu = ("llama.cpp@0c1e57098", "CUDA", "f32", "invariant")
     other_pin = ("llama.cpp@0c1e57098 patches=ffff", "CPU", "f32", "invariant")
