@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Serving under load, side by side in one run: `meshnet serve` over S stages, `meshnet
 serve` over one stage, and llama-server built from the pin (`make llama-server`: stock
-options, the whole model), each on the same cores with the same session slots, one
-after the other. At each concurrency C, C clients (the openai client, a thread each)
+options, the whole model), each on the same cores with the same session slots. All are
+started first and measured in turn, each repeat going round them all (an idle server
+takes no CPU), so that the machine's slow minutes fall on each alike. At each concurrency C, C clients (the openai client, a thread each)
 send streaming chat requests of a few hundred prompt tokens and MAX_TOKENS new ones,
 each client one request after another, for ROUNDS requests each. Prints, per server and
 concurrency, the medians over REPEATS of: aggregate tokens/s, time to first token p50/p99,
@@ -105,6 +106,8 @@ def meshnet_server(args, stages: int, numerics: str) -> Server:
                "--max-sessions", str(args.slots), "--ctx", str(args.ctx), "--numerics", numerics]
     if numerics == "stock" and args.flash_attn:
         command.append("--flash-attn")
+    if args.kv_pool is not None:
+        command += ["--kv-pool", str(args.kv_pool)]
     env = {k: v for k, v in os.environ.items() if k != "MESHNET_API_KEY"}
     return Server(f"meshnet {stages} stage{'s' if stages > 1 else ''} ({class_label(args, numerics)})", command,
                   r"on (http://[^ ]+)/v1", env=env)
@@ -191,11 +194,14 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2", help="model name or GGUF path [default: smollm2]")
     parser.add_argument("--url", default=None, help="measure this running server only")
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--classes", default="invariant,stock", help="meshnet's numerics classes to run")
+    parser.add_argument("--classes", default="invariant,stock", help="meshnet's numerics classes to run ('': none)")
     parser.add_argument("--stages", type=int, default=2, help="meshnet over this many stages, and over one [1: one only]")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for each server in all")
     parser.add_argument("--slots", type=int, default=16, help="sessions at once, for every server")
     parser.add_argument("--ctx", type=int, default=1024, help="context tokens per slot")
+    parser.add_argument("--kv-pool", type=int, default=None,
+                        help="meshnet's KV pool per stage (0: each session its own --ctx cells, as llama-server's slots) "
+                             "[default: serve's]")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (their median is shown)")
@@ -212,7 +218,7 @@ def main() -> int:
     if args.url:
         plans.append((args.url, None))
     else:
-        for numerics in args.classes.split(","):
+        for numerics in filter(None, args.classes.split(",")):   # ('': llama-server alone)
             if args.stages > 1:
                 plans.append((f"meshnet {args.stages} stages ({class_label(args, numerics)})",
                               lambda n=numerics: meshnet_server(args, args.stages, n)))
@@ -223,22 +229,29 @@ def main() -> int:
             print(f"(no llama-server at {args.llama_server}: `make llama-server` builds it from the pin)")
 
     table = {}
-    for name, start in plans:
-        server = start() if start is not None else None
-        url = server.url if server is not None else args.url
-        try:
-            measure(url, 1, 1, 8)   # warm-up
-            for c in levels:
-                table[(name, c)] = median_of([measure(url, c, args.rounds, args.max_tokens, args.prompts == "shared")
-                                              for _ in range(args.repeats)])
-                row = table[(name, c)]
+    # every server started first, idle while another is measured; each repeat goes round
+    # them all, so that a slow minute of this noisy machine falls on each of them alike
+    servers, urls = [], {}
+    try:
+        for name, start in plans:
+            if start is not None:
+                servers.append(start())
+            urls[name] = servers[-1].url if start is not None else args.url
+            measure(urls[name], 1, 1, 8)   # warm-up
+        for c in levels:
+            runs = {name: [] for name in urls}
+            for _ in range(args.repeats):
+                for name, url in urls.items():
+                    runs[name].append(measure(url, c, args.rounds, args.max_tokens, args.prompts == "shared"))
+            for name in urls:
+                table[(name, c)] = row = median_of(runs[name])
                 print(f"{name:28} c={c:<3} {fmt(row['tokens_per_s'], 1):>7} tok/s  ttft p50 {fmt(row['ttft_ms_p50']):>6} "
                       f"p99 {fmt(row['ttft_ms_p99']):>6} ms  itl p50 {fmt(row['itl_ms_p50']):>5} "
                       f"p99 {fmt(row['itl_ms_p99']):>5} ms  errors {row['errors']}"
                       + (f" ({row['first_error']})" if row["first_error"] else ""), flush=True)
-        finally:
-            if server is not None:
-                server.stop()
+    finally:
+        for server in servers:
+            server.stop()
 
     base = "llama-server (stock)"
     for name, _ in plans:
