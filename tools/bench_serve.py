@@ -3,9 +3,10 @@
 serve` over one stage, and llama-server built from the pin (`make llama-server`: stock
 options, the whole model), each on the same cores with the same session slots. All are
 started first and measured in turn, each repeat going round them all (an idle server
-takes no CPU), so that the machine's slow minutes fall on each alike. At each concurrency C, C clients (the openai client, a thread each)
-send streaming chat requests of a few hundred prompt tokens and MAX_TOKENS new ones,
-each client one request after another, for ROUNDS requests each. Prints, per server and
+takes no CPU), so that the machine's slow minutes fall on each alike. At each
+concurrency C, C clients (the openai client, a thread each) send streaming chat requests
+of a few hundred prompt tokens and MAX_TOKENS new ones, each client one request after
+another, for ROUNDS requests each. Prints, per server and
 concurrency, the medians over REPEATS of: aggregate tokens/s, time to first token p50/p99,
 inter-token latency p50/p99, and errors; then meshnet / llama-server throughput. Plain
 figures, no pass/fail.
