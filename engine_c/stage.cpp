@@ -543,11 +543,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
     mparams.layer_start = ranged ? il_start : 0;
     mparams.layer_end   = ranged ? il_end   : 0;
-    // repacked weight layouts (Q4_K, Q4_0, Q8_0, IQ4_NL on AVX2/NEON) only in the stock
-    // class: their kernels run a gemm over groups of 4 rows and a gemv over the rest, which
-    // round differently, so a row's logits would depend on the rows that shared its call.
-    // With the plain layout every row is its own dot products.
-    mparams.use_extra_bufts = p->numerics == MESHNET_NUMERICS_STOCK;
+    // the repacked weight layouts (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2) in both classes: they
+    // stream the weights faster, and in the invariant class a row's sums do not depend on the
+    // rows beside it in them either (patch 0015: the gemv sums as the gemm, or takes every row)
+    // (the baseline class measures meshnet before the classes: no repacked layouts)
+    mparams.use_extra_bufts = p->numerics != MESHNET_NUMERICS_BASELINE;
     if (p->progress) {
         mparams.progress_callback = [](float fraction, void * user) {
             const meshnet_stage_params * params = (const meshnet_stage_params *) user;
@@ -610,7 +610,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // off unless asked (the invariant class refused it above): the CPU flash-attention
     // kernels change with the batch size
     cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    // no llamafile sgemm, tiled matmul or row-pair kernels in the invariant class (0005)
+    // the invariant class's kernels sum each row alike in a call of any size (0005, 0015)
     cparams.row_invariant   = invariant;
     cparams.abort_callback      = abort_callback;
     cparams.abort_callback_data = stage;

@@ -3,9 +3,10 @@ promises. The class is part of a route's compatibility class (the two round diff
 
 - invariant (the default): every row's logits are bit-identical however the row was
   batched: fed alone, in a prompt chunk of any size, in a verification batch or beside
-  other sessions' rows. The price is the kernels that switch with the row count: no
-  repacked weight layouts, no llamafile sgemm, no tiled matmul, no flash attention.
-  It matches stock llama.cpp built with those kernels off, not its default build.
+  other sessions' rows. It runs stock's kernels (repacked layouts, llamafile's sgemm, the
+  tiled K-quant matmul), with the kernel a smaller call falls back to summing each row as
+  the larger call's kernel does (patches 0005, 0015); no flash attention. It matches the
+  pin with those two patches in their row-invariant mode, not its default build.
 - stock: stock llama.cpp's default kernels, so one session gives the tokens the pin's
   default build gives for the same prompt fed as stock feeds it (the prompt in one
   batch of up to n_batch, then a token at a time). A row then depends on how many rows
