@@ -99,11 +99,12 @@ engine-cuda: cuda-compiler $(TREE)/.stamp
 	cmake --build $(CUDA_DIR)/cmake --target meshnet_engine -j $(JOBS)
 
 # The reference meshnet's numerics classes are checked against: a small greedy program
-# over the pristine pinned tree (no meshnet patch), built twice: with the tree's default
-# options for the stock class, and without llamafile for the invariant class (its other
-# kernel choices are the program's --no-repack and GGML_CPU_TILED_MM=0; tools/reference).
+# over the pinned tree, built twice: the pristine tree with its default options for the
+# stock class; for the invariant class the pristine tree with meshnet's two CPU kernel
+# patches only (0005, 0015: the row-invariant mode, which the program turns on), none of
+# the stage's (tools/reference).
 REFERENCE := $(BUILD)/reference
-REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/CMakeLists.txt engine_c/cmake/no_amx.cmake
+REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/quantize.cpp tools/reference/CMakeLists.txt engine_c/cmake/no_amx.cmake
 
 reference: $(REFERENCE)/stock/meshnet-reference $(REFERENCE)/invariant/meshnet-reference
 
@@ -122,7 +123,7 @@ $(REFERENCE)/stock/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES) $(
 	cmake -S tools/reference -B $(REFERENCE)/stock -DCMAKE_BUILD_TYPE=Release -DMESHNET_ARCH_MODELS=ON \
 	    -DMESHNET_ARCH_MODELS_SOURCE=$(abspath $(ARCHS_GENERATOR_SOURCE)) \
 	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-stock.log
-	cmake --build $(REFERENCE)/stock --target meshnet-reference test-llama-archs -j $(JOBS)
+	cmake --build $(REFERENCE)/stock --target meshnet-reference test-llama-archs meshnet-quantize -j $(JOBS)
 	touch $@
 
 # a random-weight model of every architecture the generator knows, seeded, in seconds:
@@ -135,9 +136,19 @@ $(TEST_MODELS_DIR)/models/.stamp: $(REFERENCE)/stock/meshnet-reference
 	$(REFERENCE)/stock/test-llama-archs -s $(TEST_MODELS_SEED) -o $(TEST_MODELS_DIR)/models > $(TEST_MODELS_DIR)/models.log 2>&1
 	touch $@
 
-$(REFERENCE)/invariant/meshnet-reference: $(PRISTINE)/.stamp $(REFERENCE_SOURCES)
-	cmake -S tools/reference -B $(REFERENCE)/invariant -DCMAKE_BUILD_TYPE=Release -DGGML_LLAMAFILE=OFF \
-	    -DLLAMA_CPP_DIR=$(abspath $(PRISTINE)) > $(REFERENCE)-invariant.log
+REFERENCE_INVARIANT_PATCHES := engine_c/patches/0005-cpu-row-invariant-mode.patch engine_c/patches/0015-cpu-row-invariant-kernels.patch
+REFERENCE_INVARIANT_TREE := $(REFERENCE)/invariant-tree
+
+# (offsets allowed, no fuzz: the stage's patches before them are not there)
+$(REFERENCE_INVARIANT_TREE)/.stamp: $(PRISTINE)/.stamp $(REFERENCE_INVARIANT_PATCHES)
+	rm -rf $(REFERENCE_INVARIANT_TREE) && cp -a $(PRISTINE) $(REFERENCE_INVARIANT_TREE)
+	for p in $(REFERENCE_INVARIANT_PATCHES); do patch -d $(REFERENCE_INVARIANT_TREE) -p1 --fuzz=0 --quiet < $$p || exit 1; done
+	touch $@
+
+$(REFERENCE)/invariant/meshnet-reference: $(REFERENCE_INVARIANT_TREE)/.stamp $(REFERENCE_SOURCES)
+	rm -rf $(REFERENCE)/invariant
+	cmake -S tools/reference -B $(REFERENCE)/invariant -DCMAKE_BUILD_TYPE=Release -DMESHNET_ROW_INVARIANT=ON \
+	    -DLLAMA_CPP_DIR=$(abspath $(REFERENCE_INVARIANT_TREE)) > $(REFERENCE)-invariant.log
 	cmake --build $(REFERENCE)/invariant --target meshnet-reference -j $(JOBS)
 
 # llama-server from the pristine pin with the tree's own options (no web UI): what
@@ -165,7 +176,7 @@ test: all reference test-models
 	$(VENV_PYTHON) -m meshnet.engine.models ensure qwen2.5-coder-1.5b
 	$(VENV_PYTHON) -m meshnet.engine.models ensure gemma3-270m
 	$(VENV_PYTHON) -m compileall -q meshnet tests tools
-	cmake --build $(CMAKE_DIR) --target meshnet_abi_test -j $(JOBS)
+	cmake --build $(CMAKE_DIR) --target meshnet_abi_test meshnet_kernel_invariance -j $(JOBS)
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
 	MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 $(VENV_PYTHON) -m pytest -q tests
 

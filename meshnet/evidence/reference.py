@@ -1,12 +1,11 @@
 """Stock llama.cpp's greedy tokens, the reference each numerics class is held to: the
-program in tools/reference over the pristine pinned tree (no meshnet patch), built by
-`make reference`, run on prompts.
+program in tools/reference over the pinned tree (whole model, none of meshnet's stage
+patches), built by `make reference`, run on prompts.
 
-- stock: the tree's default build and kernels, as llama-cpp-python 0.3.36 runs it by
-  default (the prompt in batches of 512, no flash attention).
-- invariant: the tree built without llamafile, the weights without repacked layouts and
-  the tiled matmul off (GGML_CPU_TILED_MM=0): the invariant class's kernel choices, made
-  with stock's own switches.
+- stock: the pristine tree's default build and kernels, as llama-cpp-python 0.3.36 runs it
+  by default (the prompt in batches of 512, no flash attention).
+- invariant: the pristine tree with meshnet's two CPU kernel patches only (0005, 0015), in
+  their row-invariant mode: the invariant class's kernels, run by plain llama.cpp.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ def program(numerics: str) -> Path:
 
 def describe(numerics: str) -> str:
     return {numerics_classes.STOCK: "stock llama.cpp (the pristine pin, default build and kernels)",
-            numerics_classes.INVARIANT: "stock llama.cpp (the pristine pin) built with -DGGML_LLAMAFILE=OFF, "
-                                        "no repacked layouts, GGML_CPU_TILED_MM=0"}[numerics]
+            numerics_classes.INVARIANT: "llama.cpp (the pin) with meshnet's CPU kernel patches 0005 and 0015 "
+                                        "only, in their row-invariant mode"}[numerics]
 
 
 def agreement(expected: Sequence[int], got: Sequence[int]) -> dict:
@@ -55,8 +54,7 @@ def greedy(model_path: str | os.PathLike, prompts: Sequence[str], n_predict: int
     env = dict(os.environ)
     env.pop("GGML_CPU_TILED_MM", None)   # stock's own default, whatever this process was given
     if numerics == numerics_classes.INVARIANT:
-        args.append("--no-repack")
-        env["GGML_CPU_TILED_MM"] = "0"
+        args.append("--row-invariant")
     if threads:
         args += ["--threads", str(threads)]
     for prompt in prompts:

@@ -1,15 +1,15 @@
-// The reference meshnet's numerics classes are held to: stock llama.cpp (the pristine
-// pinned tree, no meshnet patch) generating greedily as llama-cpp-python does by default:
-// the prompt in batches of n_batch (512, physical batches of 512), logits for the last
-// prompt token only, then one token per call, no flash attention.
+// The reference meshnet's numerics classes are held to: stock llama.cpp (the pinned tree,
+// whole model, none of meshnet's stage patches) generating greedily as llama-cpp-python
+// does by default: the prompt in batches of n_batch (512, physical batches of 512), logits
+// for the last prompt token only, then one token per call, no flash attention.
 //
-//   meshnet-reference MODEL N_PREDICT [--no-repack] PROMPT...
+//   meshnet-reference MODEL N_PREDICT [--row-invariant] [--threads N] PROMPT...
 //
 // For each PROMPT (raw text, tokenized with the model's BOS as llama.cpp adds it) one
 // line: the prompt's token ids, " |", and the N_PREDICT greedy token ids (no stop at an
-// end-of-generation token). --no-repack loads the weights without the repacked layouts,
-// as the invariant class does; run it from the build without llamafile (make reference)
-// and with GGML_CPU_TILED_MM=0 to get the invariant class's kernels.
+// end-of-generation token). --row-invariant turns on the CPU backend's row-invariant mode,
+// the invariant class's kernels: only in the build over the tree with meshnet's two kernel
+// patches (MESHNET_ROW_INVARIANT, make reference).
 #include "llama.h"
 
 #include <cstdio>
@@ -26,17 +26,21 @@ static void quiet(enum ggml_log_level level, const char * text, void *) {
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        std::fprintf(stderr, "usage: %s MODEL N_PREDICT [--no-repack] [--threads N] PROMPT...\n", argv[0]);
+        std::fprintf(stderr, "usage: %s MODEL N_PREDICT [--row-invariant] [--threads N] PROMPT...\n", argv[0]);
         return 2;
     }
     const char * model_path = argv[1];
     const int n_predict = std::atoi(argv[2]);
-    bool repack = true;
+    bool row_invariant = false;
     int n_threads = 0;
     int first_prompt = 3;
     while (first_prompt < argc && std::strncmp(argv[first_prompt], "--", 2) == 0) {
-        if (std::strcmp(argv[first_prompt], "--no-repack") == 0) {
-            repack = false;
+        if (std::strcmp(argv[first_prompt], "--row-invariant") == 0) {
+#ifndef MESHNET_ROW_INVARIANT
+            std::fprintf(stderr, "--row-invariant: this build is over the pristine tree, which has no such mode\n");
+            return 2;
+#endif
+            row_invariant = true;
             first_prompt += 1;
         } else if (std::strcmp(argv[first_prompt], "--threads") == 0 && first_prompt + 1 < argc) {
             n_threads = std::atoi(argv[first_prompt + 1]);
@@ -51,7 +55,6 @@ int main(int argc, char ** argv) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers    = 0;
-    mparams.use_extra_bufts = repack;
     llama_model * model = llama_model_load_from_file(model_path, mparams);
     if (!model) {
         std::fprintf(stderr, "could not load %s\n", model_path);
@@ -77,6 +80,9 @@ int main(int argc, char ** argv) {
         cparams.n_batch         = 512;
         cparams.n_ubatch        = 512;
         cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+#ifdef MESHNET_ROW_INVARIANT
+        cparams.row_invariant   = row_invariant;
+#endif
         if (n_threads > 0) {
             cparams.n_threads = cparams.n_threads_batch = n_threads;
         }
