@@ -1,6 +1,10 @@
 """The numerics classes (meshnet/core/numerics.py): the invariant class gives every row the
 same bits however it is batched; the class is part of a route's compatibility class."""
 
+import os
+import subprocess
+
+import gguf
 import numpy as np
 import pytest
 
@@ -10,7 +14,7 @@ from meshnet.engine.gguf_layout import read_layout
 from meshnet.route.config import CoordinatorConfig
 from meshnet.route.coordinator import Coordinator
 
-from conftest import DENSE_ARCHS, THREADS
+from conftest import DENSE_ARCHS, ROOT, THREADS
 from peers import start_worker, wait_until
 
 PROMPT = ("The old lighthouse keeper climbed the stairs every night, and on the last night of winter he saw a "
@@ -98,14 +102,12 @@ def test_the_tail_s_logits_beside_other_sessions_rows_are_what_the_rows_give_alo
     assert np.array_equal(batched.logits[1], alone[20])
 
 
-@pytest.mark.parametrize("arch", DENSE_ARCHS)
-def test_invariant_rows_are_bit_identical_on_generated_dense_models(arch, arch_models):
-    # F32 weights take llamafile's sgemm from 2 rows up in stock: the class must hold there too
-    path = arch_models[arch]
+def assert_invariant_on_generated(path):
+    """A generated model's rows (128-token vocabulary) alike however they are chunked, in a
+    head and in the whole model, and beside another session's rows."""
     tokens = np.random.default_rng(7).integers(0, 128, size=29).astype(np.int32)
     for stage in invariant_stages(path, read_layout(path).n_layer):
         with stage:
-            assert stage.info().arch == arch
             assert_rows_agree({name: feed(stage, i, tokens, cuts)
                                for i, (name, cuts) in enumerate(chunkings(len(tokens)).items())})
     with Stage(path, (0, 1), n_ctx=256, max_sessions=3, n_threads=THREADS) as head:
@@ -116,6 +118,44 @@ def test_invariant_rows_are_bit_identical_on_generated_dense_models(arch, arch_m
         out = head.forward([Entry(1, 0, tokens=tokens), Entry(2, 4, tokens=tokens[4:5])])
     assert_rows_agree({"token by token": alone, "mixed batch": dict(zip(range(len(tokens)), out.residual))})
     assert np.array_equal(out.residual[-1], alone[4])
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+def test_invariant_rows_are_bit_identical_on_generated_dense_models(arch, arch_models):
+    # F32 weights take llamafile's sgemm from 2 rows up: the class must hold there too
+    assert read_layout(arch_models[arch]).arch == arch
+    assert_invariant_on_generated(arch_models[arch])
+
+
+# every weight type people run, each with the kernels this machine picks for it (a plain or
+# a repacked layout; vec_dot, sgemm, the tiled K-quant kernel, a gemm and a gemv): the
+# generated llama model written in it by llama.cpp's own quantizer (tools/reference/quantize.cpp)
+WEIGHT_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                "iq4_nl", "iq4_xs")
+QUANTIZE = os.path.join(ROOT, "build", "reference", "stock", "meshnet-quantize")
+
+
+@pytest.fixture(scope="module")
+def quantized_models(tmp_path_factory, arch_models):
+    assert os.path.isfile(QUANTIZE), f"{QUANTIZE} is missing: run `make reference` (make test does)"
+    out = tmp_path_factory.mktemp("types")
+
+    def model(weight_type: str) -> str:
+        path = out / f"llama-{weight_type}.gguf"
+        if not path.exists():
+            done = subprocess.run([QUANTIZE, arch_models["llama"], str(path), weight_type], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+        return str(path)
+    return model
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+def test_invariant_rows_are_bit_identical_in_every_weight_type(weight_type, quantized_models):
+    path = quantized_models(weight_type)
+    types = {t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    assert weight_type in types, types   # (llama.cpp falls back to another type where a row is too short)
+    assert_invariant_on_generated(path)
 
 
 def test_the_class_is_reported_and_what_the_invariant_class_cannot_hold_is_refused(smollm2_path):
