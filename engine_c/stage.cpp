@@ -458,11 +458,6 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     const bool invariant = p->numerics == MESHNET_NUMERICS_INVARIANT;
-    if (invariant && p->flash_attn) {
-        err = "flash attention's CPU kernels change with the number of rows, so the invariant numerics class "
-              "runs without it: choose the stock class to use flash attention";
-        return MESHNET_ERR_INVALID_ARGUMENT;
-    }
     if (invariant && p->gpu) {
         err = "the invariant numerics class runs on the CPU only (a GPU's matmul kernels change with the number "
               "of rows): choose the stock class for a GPU stage";
@@ -607,8 +602,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     cparams.embeddings      = !is_tail;  // before the tail the residual of every token is the output
     cparams.pooling_type    = LLAMA_POOLING_TYPE_NONE;
     cparams.no_perf         = true;
-    // off unless asked (the invariant class refused it above): the CPU flash-attention
-    // kernels change with the batch size
+    // off unless asked (llama-server's default on a CPU is on); the CPU flash-attention kernels
+    // change with the batch size, so the invariant class runs each query row on its own (0016)
     cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     // the invariant class's kernels sum each row alike in a call of any size (0005, 0015)
     cparams.row_invariant   = invariant;

@@ -44,7 +44,7 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
     """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
     from meshnet.core.conversation import answer_sampling
     from meshnet.core.layers import ranges_from_seams
-    from meshnet.core.numerics import DEFAULT, check_flash_attn
+    from meshnet.core.numerics import DEFAULT
     from meshnet.core.text import utf8_or_error
     from meshnet.engine.gguf_layout import read_layout
 
@@ -56,7 +56,6 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
         raise click.UsageError("give --prompt (raw text to continue) or --chat (a message to answer), not both")
     sampling = answer_sampling(*sampling_of_flags(sampling_flags))
     try:
-        check_flash_attn(numerics or DEFAULT, flash_attn)   # at once, before any model or worker starts
         utf8_or_error(prompt, "--prompt")
         if chat_message is not None:
             utf8_or_error(chat_message, "--chat")
@@ -195,7 +194,7 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, fl
 
     Ctrl-C stops an answer, Ctrl-D quits."""
     from meshnet.cli.chat import Chat
-    from meshnet.core.numerics import DEFAULT, check_flash_attn
+    from meshnet.core.numerics import DEFAULT
     from meshnet.core.text import utf8_or_error
     from meshnet.engine.gguf_layout import read_layout
     from meshnet.launch.local_cluster import LocalCluster
@@ -204,7 +203,6 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, fl
         raise click.UsageError(f"--max-tokens {max_tokens} leaves no room for the conversation within --ctx {n_ctx}")
     sampling, seed_given = sampling_of_flags(sampling_flags)
     try:
-        check_flash_attn(numerics or DEFAULT, flash_attn)
         if system is not None:
             utf8_or_error(system, "--system")
         path, _ = models.resolve(model)

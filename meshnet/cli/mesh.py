@@ -108,12 +108,6 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
         raise click.UsageError("where is the coordinator? give a join token (MESHNET_JOIN or --join-file), "
                                "--coordinator ADDRESS or --discover")
     refuse_open_without_keys("--data-bind", data_bind, secret_file or join_token, insecure)
-    from meshnet.core import numerics as numerics_classes
-
-    try:
-        numerics_classes.check_flash_attn(numerics or numerics_classes.default_for(gpu), flash_attn)
-    except MeshnetError as e:
-        raise click.UsageError(e.message) from None
     if numerics == "baseline":
         # the engine before the classes turned the tiled matmul off for its whole process
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")

@@ -90,12 +90,12 @@ def numerics_option(command=None, *, baseline: bool = False):
 
 
 def flash_attn_option(command):
-    """--flash-attn: llama.cpp's flash-attention kernels, as llama-server uses by default;
-    the stock class only, since their sums change with the rows beside a row."""
+    """--flash-attn: llama.cpp's flash-attention kernels, as llama-server uses by default; in
+    the invariant class each query row on its own, so its rows stay alike however batched."""
     return click.option("--flash-attn", "flash_attn", is_flag=True, default=False,
-                        help="flash attention (llama-server's default on a CPU): faster attention and no 16-bit "
-                             "transposed V; needs --numerics stock, and its tokens are those of the whole model "
-                             "with flash attention, not without")(command)
+                        help="flash attention (llama-server's default on a CPU): attention over the cells in use "
+                             "and no 16-bit transposed V; its tokens are those of the whole model with flash "
+                             "attention, not without (a class of its own)")(command)
 
 
 def prefix_cache_option(command):

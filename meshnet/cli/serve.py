@@ -86,9 +86,6 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_p
 
     mesh = None
     try:
-        from meshnet.core.numerics import DEFAULT, check_flash_attn
-
-        check_flash_attn(numerics or DEFAULT, flash_attn)
         options = dict(resume_wait=resume_wait, max_resumes=max_resumes, speculate=speculate)
         if bind is not None:
             from meshnet.engine import models

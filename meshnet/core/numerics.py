@@ -5,8 +5,9 @@ promises. The class is part of a route's compatibility class (the two round diff
   batched: fed alone, in a prompt chunk of any size, in a verification batch or beside
   other sessions' rows. It runs stock's kernels (repacked layouts, llamafile's sgemm, the
   tiled K-quant matmul), with the kernel a smaller call falls back to summing each row as
-  the larger call's kernel does (patches 0005, 0015); no flash attention. It matches the
-  pin with those two patches in their row-invariant mode, not its default build.
+  the larger call's kernel does (patches 0005, 0015), and flash attention where asked with
+  each query row on its own (0016). It matches the pin with those patches in their
+  row-invariant mode, not its default build.
 - stock: stock llama.cpp's default kernels, so one session gives the tokens the pin's
   default build gives for the same prompt fed as stock feeds it (the prompt in one
   batch of up to n_batch, then a token at a time). A row then depends on how many rows
@@ -48,11 +49,3 @@ def default_for(gpu: bool) -> str:
     """The class a stage runs when none is named: invariant, but a GPU's kernels are not
     row-invariant, so a GPU stage runs stock."""
     return STOCK if gpu else INVARIANT
-
-
-def check_flash_attn(name_: str, flash_attn: bool) -> None:
-    """Flash attention's CPU kernels sum a row differently beside other rows, so only the
-    stock class may run them; MeshnetError(invalid_argument) otherwise, before a stage loads."""
-    if flash_attn and name_ != STOCK:
-        raise MeshnetError(INVALID_ARGUMENT, f"flash attention runs in the stock numerics class, not {name_}: "
-                           "its kernels sum a row differently beside other rows; add --numerics stock")

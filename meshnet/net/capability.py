@@ -28,7 +28,7 @@ FIELDS: dict[str, tuple] = {
     "device": (STR, False, short_text),         # the processor the layers run on, by name (once it holds layers)
     "wire_dtype": (STR, True, lambda v: v == "f32"),
     "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
-    "flash_attn": (BOOL, False, None),          # flash attention (the stock class only): part of the class too
+    "flash_attn": (BOOL, False, None),          # flash attention: part of the class too
     "max_sessions": (INT, True, at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, at_most(MAX_CTX)),
     "kv_pool": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # cells of its sessions' shared KV pool
@@ -75,9 +75,6 @@ def _checked_wire(capability: dict, rid: int | None = None) -> dict:
     where = "ready: capability"
     if "layers" in fields and "loading" in fields:
         raise ProtocolError(E.BAD_FIELD, f"{where}: a worker holds its 'layers' or is 'loading' them, not both", rid)
-    if fields.get("flash_attn") and fields["numerics"] != numerics.STOCK:
-        raise ProtocolError(E.BAD_FIELD, f"{where}: flash attention runs in the stock numerics class, not "
-                            f"{fields['numerics']}", rid)
     if "loading" in fields:
         if fields["loading"][1] > fields["n_layer"]:
             raise ProtocolError(E.BAD_FIELD, f"{where}: loading {fields['loading']} is outside a model of "

@@ -61,15 +61,6 @@ def test_run_refuses_a_split_outside_the_model_with_the_code_and_its_exit_status
     assert missing.returncode == 3 and "[model_not_found]" in missing.stderr
 
 
-def test_flash_attention_outside_the_stock_class_is_refused_before_anything_starts(smollm2_path):
-    for command in (["run", "--flash-attn"], ["serve", "--flash-attn", "--port", "0"],
-                    ["worker", "--flash-attn", "--coordinator", "tcp://127.0.0.1:1", "--layers", "0:15"]):
-        result = meshnet(*command, timeout=60)
-        assert result.returncode != 0, command
-        assert "flash attention runs in the stock numerics class, not invariant" in result.stderr, result.stderr
-        assert "--numerics stock" in result.stderr
-
-
 def test_inspect_reports_the_layout_from_the_gguf(smollm2_path):
     result = meshnet("inspect", "--json")
     assert result.returncode == 0, result.stderr

@@ -23,8 +23,9 @@ def test_a_worker_s_map_parses_to_typed_fields_and_back_unchanged():
     assert capability.to_wire() == wire
 
 
-def test_flash_attention_is_kept_where_a_stock_worker_names_it_and_left_off_the_wire_where_not():
-    wire = dict(fake_wire_capability("w1", 0, 2), numerics="stock", flash_attn=True)
+@pytest.mark.parametrize("numerics", ["invariant", "stock"])
+def test_flash_attention_is_kept_where_a_worker_names_it_and_left_off_the_wire_where_not(numerics):
+    wire = dict(fake_wire_capability("w1", 0, 2), numerics=numerics, flash_attn=True)
     capability = Capability.parse(wire)
     assert capability.flash_attn and capability.to_wire() == wire
     assert not Capability.parse(fake_wire_capability("w1", 0, 2)).flash_attn
@@ -47,7 +48,6 @@ def test_a_waiting_worker_s_cost_table_becomes_the_planner_s_model_cost():
     (dict(wire_dtype="f16"), "field 'wire_dtype' has a bad value"),
     (dict(surprise=1), "unknown field"),
     (dict(flash_attn=1), "field 'flash_attn' has a bad value"),
-    (dict(flash_attn=True), "flash attention runs in the stock numerics class, not invariant"),
 ])
 def test_a_capability_no_route_can_use_is_refused_saying_which_field(change, why):
     wire = fake_wire_capability("w1", 0, 2)
