@@ -100,9 +100,9 @@ engine-cuda: cuda-compiler $(TREE)/.stamp
 
 # The reference meshnet's numerics classes are checked against: a small greedy program
 # over the pinned tree, built twice: the pristine tree with its default options for the
-# stock class; for the invariant class the pristine tree with meshnet's two CPU kernel
-# patches only (0005, 0015: the row-invariant mode, which the program turns on), none of
-# the stage's (tools/reference).
+# stock class; for the invariant class the pristine tree with meshnet's CPU kernel patches
+# only (0005, 0015, 0016: the row-invariant mode, which the program turns on), none of the
+# stage's (tools/reference).
 REFERENCE := $(BUILD)/reference
 REFERENCE_SOURCES := tools/reference/greedy.cpp tools/reference/quantize.cpp tools/reference/CMakeLists.txt engine_c/cmake/no_amx.cmake
 
@@ -136,7 +136,8 @@ $(TEST_MODELS_DIR)/models/.stamp: $(REFERENCE)/stock/meshnet-reference
 	$(REFERENCE)/stock/test-llama-archs -s $(TEST_MODELS_SEED) -o $(TEST_MODELS_DIR)/models > $(TEST_MODELS_DIR)/models.log 2>&1
 	touch $@
 
-REFERENCE_INVARIANT_PATCHES := engine_c/patches/0005-cpu-row-invariant-mode.patch engine_c/patches/0015-cpu-row-invariant-kernels.patch
+REFERENCE_INVARIANT_PATCHES := engine_c/patches/0005-cpu-row-invariant-mode.patch engine_c/patches/0015-cpu-row-invariant-kernels.patch \
+                               engine_c/patches/0016-cpu-row-invariant-flash-attn.patch
 REFERENCE_INVARIANT_TREE := $(REFERENCE)/invariant-tree
 
 # (offsets allowed, no fuzz: the stage's patches before them are not there)
@@ -152,7 +153,9 @@ $(REFERENCE)/invariant/meshnet-reference: $(REFERENCE_INVARIANT_TREE)/.stamp $(R
 	cmake --build $(REFERENCE)/invariant --target meshnet-reference -j $(JOBS)
 
 # llama-server from the pristine pin with the tree's own options (no web UI): what
-# tools/bench_serve.py sets `meshnet serve` beside. Neither `make` nor `make test` needs it.
+# tools/bench_serve.py sets `meshnet serve` beside; and its llama-bench, which
+# tools/bench_vs_llama_bench.py sets meshnet's whole model beside. Neither `make` nor `make
+# test` needs them.
 LLAMA_SERVER_DIR := $(BUILD)/llama-server
 llama-server: $(LLAMA_SERVER_DIR)/bin/llama-server
 
@@ -160,7 +163,7 @@ $(LLAMA_SERVER_DIR)/bin/llama-server: $(PRISTINE)/.stamp
 	cmake -S $(PRISTINE) -B $(LLAMA_SERVER_DIR) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
 	    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF > $(LLAMA_SERVER_DIR).log
-	cmake --build $(LLAMA_SERVER_DIR) --target llama-server -j $(JOBS)
+	cmake --build $(LLAMA_SERVER_DIR) --target llama-server llama-bench -j $(JOBS)
 
 # the stamp lives in the venv, so a new or deleted venv gets meshnet installed again
 $(VENV)/.meshnet-installed: setup.py | $(VENV_PYTHON)

@@ -4,8 +4,8 @@ patches), built by `make reference`, run on prompts.
 
 - stock: the pristine tree's default build and kernels, as llama-cpp-python 0.3.36 runs it
   by default (the prompt in batches of 512, no flash attention).
-- invariant: the pristine tree with meshnet's two CPU kernel patches only (0005, 0015), in
-  their row-invariant mode: the invariant class's kernels, run by plain llama.cpp.
+- invariant: the pristine tree with meshnet's CPU kernel patches only (0005, 0015, 0016),
+  in their row-invariant mode: the invariant class's kernels, run by plain llama.cpp.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def program(numerics: str) -> Path:
 
 def describe(numerics: str) -> str:
     return {numerics_classes.STOCK: "stock llama.cpp (the pristine pin, default build and kernels)",
-            numerics_classes.INVARIANT: "llama.cpp (the pin) with meshnet's CPU kernel patches 0005 and 0015 "
-                                        "only, in their row-invariant mode"}[numerics]
+            numerics_classes.INVARIANT: "llama.cpp (the pin) with meshnet's CPU kernel patches 0005, 0015 and "
+                                        "0016 only, in their row-invariant mode"}[numerics]
 
 
 def agreement(expected: Sequence[int], got: Sequence[int]) -> dict:

@@ -8,7 +8,7 @@
 // For each PROMPT (raw text, tokenized with the model's BOS as llama.cpp adds it) one
 // line: the prompt's token ids, " |", and the N_PREDICT greedy token ids (no stop at an
 // end-of-generation token). --row-invariant turns on the CPU backend's row-invariant mode,
-// the invariant class's kernels: only in the build over the tree with meshnet's two kernel
+// the invariant class's kernels: only in the build over the tree with meshnet's kernel
 // patches (MESHNET_ROW_INVARIANT, make reference).
 #include "llama.h"
 

@@ -1,6 +1,7 @@
 // llama.cpp's own quantizer (llama_model_quantize) for the tests: a generated model's
 // weights written in one type, every matrix in it (`pure`), so that the engine's kernels for
-// that type run on a model the tests make in seconds, without a download.
+// that type run on a model the tests make in seconds, without a download. A quantized model
+// is quantized again (the benchmarks' Q4_0 and Q8_0 models of a real one).
 //
 //   meshnet-quantize IN.gguf OUT.gguf TYPE     TYPE: f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1
 //                                              q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs
@@ -40,6 +41,7 @@ int main(int argc, char ** argv) {
         return 2;
     }
     params.pure = true;
+    params.allow_requantize = true;
     params.nthread = 1;
     llama_backend_init();
     const uint32_t status = llama_model_quantize(argv[1], argv[2], &params);
