@@ -194,7 +194,6 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, fl
 
     Ctrl-C stops an answer, Ctrl-D quits."""
     from meshnet.cli.chat import Chat
-    from meshnet.core.numerics import DEFAULT
     from meshnet.core.text import utf8_or_error
     from meshnet.engine.gguf_layout import read_layout
     from meshnet.launch.local_cluster import LocalCluster
