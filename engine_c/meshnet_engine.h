@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 14
+#define MESHNET_ENGINE_ABI_VERSION 15
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -68,8 +68,8 @@ typedef enum {
  * two classes round differently and a route mixing them would give neither's output. */
 typedef enum {
     /* every row's result is bit-identical however the rows were batched: alone, in a
-     * prompt chunk of any size, beside other sessions' rows (no repacked weight layouts,
-     * no llamafile sgemm, no tiled matmul, no flash attention); CPU only */
+     * prompt chunk of any size, beside other sessions' rows (each kernel a smaller call
+     * falls back to sums a row as the larger call's does: patches 0005, 0015, 0016); CPU only */
     MESHNET_NUMERICS_INVARIANT = 0,
     /* stock llama.cpp's kernels, as its default build runs them: the same tokens as
      * stock for a session fed as stock feeds it; a row depends on its batch */
@@ -78,6 +78,22 @@ typedef enum {
      * kept so that `meshnet bench` can measure the classes against it */
     MESHNET_NUMERICS_BASELINE  = 2
 } meshnet_numerics;
+
+/* The KV cache's element types, K and V each (llama.cpp's -ctk / -ctv). A quantized V
+ * needs flash attention (llama.cpp keeps V transposed without it); a quantized type's
+ * block (32) must divide every layer's head size. The row-invariant class stays exact
+ * with any of them: a cell is quantized on its own when it is written. */
+typedef enum {
+    MESHNET_KV_F16    = 0,
+    MESHNET_KV_F32    = 1,
+    MESHNET_KV_BF16   = 2,
+    MESHNET_KV_Q8_0   = 3,
+    MESHNET_KV_Q4_0   = 4,
+    MESHNET_KV_Q4_1   = 5,
+    MESHNET_KV_Q5_0   = 6,
+    MESHNET_KV_Q5_1   = 7,
+    MESHNET_KV_IQ4_NL = 8
+} meshnet_kv_type;
 
 typedef struct {
     const char * model_path;
@@ -108,6 +124,8 @@ typedef struct {
      * invariant-class pool computes in physical batches of 64 rows (n_ubatch 0), so that
      * its attention scratch stays small beside the pool. */
     int32_t pool_cells;
+    int32_t type_k;        /* a meshnet_kv_type (0: f16) */
+    int32_t type_v;
 } meshnet_stage_params;
 
 typedef struct {
@@ -214,7 +232,7 @@ MESHNET_API const char * meshnet_engine_pin(void);
 MESHNET_API meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** reason);
 
 /* What one layer keeps per session beside its weights, as llama.cpp sizes its memory for a
- * stage of this engine (f16 K and V, no flash attention, f32 recurrent state). */
+ * stage of this engine with K and V of the given meshnet_kv_types (f32 recurrent state). */
 typedef struct {
     int64_t kv_bytes_per_cell;  /* K and V of one token (0: the layer keeps no KV) */
     int32_t window;             /* 0: full attention; else a sliding window of this many tokens (a
@@ -223,9 +241,11 @@ typedef struct {
 } meshnet_layer_memory;
 
 /* The model's hyperparameters only (no weights are read): each layer's memory, into
- * layers[0 .. min(capacity, n_layer)); *n_layer is the model's layer count. */
-MESHNET_API meshnet_status meshnet_layer_memory_of(const char * model_path, meshnet_layer_memory * layers,
-                                    int32_t capacity, int32_t * n_layer, char * err, size_t err_cap);
+ * layers[0 .. min(capacity, n_layer)); *n_layer is the model's layer count. A KV type the
+ * model's head sizes cannot hold is MESHNET_ERR_INVALID_ARGUMENT. */
+MESHNET_API meshnet_status meshnet_layer_memory_of(const char * model_path, int32_t type_k, int32_t type_v,
+                                    meshnet_layer_memory * layers, int32_t capacity, int32_t * n_layer,
+                                    char * err, size_t err_cap);
 
 /* On failure *out is NULL and err (err_cap bytes, may be NULL) holds the reason. */
 MESHNET_API meshnet_status meshnet_stage_open(const meshnet_stage_params * params, meshnet_stage ** out,

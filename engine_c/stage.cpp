@@ -448,6 +448,56 @@ bool find_placed_caches(meshnet_stage * stage) {
     return placeable;
 }
 
+// llama.cpp turns flash attention off for Grok, asked or not (llama_init_from_model)
+bool flash_attn_runs(const llama_model & model) {
+    return model.arch != LLM_ARCH_GROK;
+}
+
+// a meshnet_kv_type's ggml type; GGML_TYPE_COUNT for a value that is none
+ggml_type kv_ggml_type(int32_t type) {
+    static const ggml_type types[] = {GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+                                      GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_IQ4_NL};
+    return type >= 0 && type < (int32_t) (sizeof(types) / sizeof(types[0])) ? types[type] : GGML_TYPE_COUNT;
+}
+
+// why the model's KV cannot be kept in these types ("" where it can): llama.cpp checks the
+// head sizes against a quantized type's block only with flash attention, and without it
+// ggml asserts (the process dies) on a K row the block does not divide
+std::string kv_types_unfit(const llama_model & model, ggml_type type_k, ggml_type type_v) {
+    const llama_hparams & hp = model.hparams;
+    if ((hp.is_mla() || model.arch == LLM_ARCH_DEEPSEEK4) && type_k != type_v) {
+        return format("this '%s' model keeps K and V in one cache: give both one type", llm_arch_name(model.arch));
+    }
+    if (ggml_is_quantized(type_v) && !flash_attn_runs(model)) {
+        return format("a %s V cache needs flash attention, which llama.cpp does not run for a '%s' model: keep V in "
+                      "f16", ggml_type_name(type_v), llm_arch_name(model.arch));
+    }
+    const int64_t blck_k = ggml_blck_size(type_k);
+    const int64_t blck_v = ggml_blck_size(type_v);
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (hp.n_embd_k_gqa(il) == 0) {
+            continue;   // a recurrent layer: no KV
+        }
+        const int64_t widths_k[] = {(int64_t) hp.n_embd_head_k(il), (int64_t) hp.n_embd_k_gqa(il), (int64_t) hp.indexer_head_size};
+        const int64_t widths_v[] = {(int64_t) hp.n_embd_head_v(il), (int64_t) hp.n_embd_v_gqa(il)};
+        for (int64_t w : widths_k) {
+            if (w % blck_k != 0) {
+                return format("a %s K cache keeps blocks of %lld values, which do not divide this model's key rows "
+                              "of %lld (layer %u): choose f16, bf16 or f32 for it", ggml_type_name(type_k),
+                              (long long) blck_k, (long long) w, il);
+            }
+        }
+        for (int64_t w : widths_v) {
+            if (w % blck_v != 0) {
+                return format("a %s V cache keeps blocks of %lld values, which do not divide this model's value rows "
+                              "of %lld (layer %u): choose f16, bf16 or f32 for it", ggml_type_name(type_v),
+                              (long long) blck_v, (long long) w, il);
+            }
+        }
+    }
+    return "";
+}
+
 meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage, std::string & err) {
     if (!p || !p->model_path) {
         err = "stage parameters and a model path are required";
@@ -468,6 +518,17 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
                      "n_ubatch=%d (>= 0), n_threads=%d (>= 0), pool_cells=%d (0, or at least n_ctx)",
                      p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads, p->pool_cells);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    const ggml_type type_k = kv_ggml_type(p->type_k);
+    const ggml_type type_v = kv_ggml_type(p->type_v);
+    if (type_k == GGML_TYPE_COUNT || type_v == GGML_TYPE_COUNT) {
+        err = format("KV types %d and %d: each a meshnet_kv_type (0..8)", p->type_k, p->type_v);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    // (without flash attention llama.cpp keeps V transposed, a cell's values strided apart)
+    if (ggml_is_quantized(type_v) && !p->flash_attn) {
+        err = format("a %s V cache needs flash attention (--flash-attn); or keep V in f16", ggml_type_name(type_v));
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
 
@@ -556,6 +617,17 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_MODEL_LOAD;
     }
     stage->vocab = llama_model_get_vocab(stage->model);
+    const std::string kv_unfit = kv_types_unfit(*stage->model, type_k, type_v);
+    if (!kv_unfit.empty()) {
+        err = kv_unfit;
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    // (the class would say flash attention where llama.cpp computes without it)
+    if (p->flash_attn && !flash_attn_runs(*stage->model)) {
+        err = format("llama.cpp does not run flash attention for a '%s' model: leave out --flash-attn",
+                     llm_arch_name(stage->model->arch));
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
 
     const bool is_tail = il_end == summary.n_layer;
     const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
@@ -605,6 +677,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     // off unless asked (llama-server's default on a CPU is on); the CPU flash-attention kernels
     // change with the batch size, so the invariant class runs each query row on its own (0016)
     cparams.flash_attn_type = p->flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.type_k          = type_k;
+    cparams.type_v          = type_v;
     // the invariant class's kernels sum each row alike in a call of any size (0005, 0015)
     cparams.row_invariant   = invariant;
     cparams.abort_callback      = abort_callback;
@@ -1236,7 +1310,7 @@ meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** re
 
 // what llama.cpp's memory (llama_kv_cache, its sliding-window pair, llama_memory_recurrent
 // and the hybrids built from them) allocates for one layer, with this engine's settings
-meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il) {
+meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il, ggml_type type_k, ggml_type type_v) {
     const llama_hparams & hp = model.hparams;
     const bool hybrid_every_layer = model.arch == LLM_ARCH_FALCON_H1;   // attention and SSM in each layer
     const bool nemotron = model.arch == LLM_ARCH_NEMOTRON_H || model.arch == LLM_ARCH_NEMOTRON_H_MOE;
@@ -1244,7 +1318,7 @@ meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il) {
     const bool recurrent = hp.is_recr(il) && (!nemotron || hp.n_ff(il) == 0);
     const bool attention = !llm_arch_is_recurrent(model.arch) && hp.has_kv(il) && hp.n_embd_k_gqa(il) > 0
                         && (hybrid_every_layer || !hp.is_recr(il)) && (!nemotron || hp.n_ff(il) == 0);
-    // the sparse-attention indexer's keys (one head, f16) beside K and V: DeepSeek-V3.2 on
+    // the sparse-attention indexer's keys (one head, of K's type) beside K and V: DeepSeek-V3.2 on
     // every layer, GLM-DSA and dots3 on their full-indexer layers, MiniMax-M3 past its dense lead
     // (what the DSA and MSA caches, llama-kv-cache-dsa.cpp and -msa.cpp, add)
     bool indexer = false;
@@ -1258,9 +1332,10 @@ meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il) {
     if (attention) {
         const int64_t v_row = hp.is_mla() ? 0 : hp.n_embd_v_gqa_max();   // V transposed: rows as wide as the widest
         // (MiniMax-M3's indexer cache is a whole KV cache of one head: its V too)
-        const int64_t indexer_row = !indexer ? 0
-            : (int64_t) hp.indexer_head_size + (model.arch == LLM_ARCH_MINIMAX_M3 ? (int64_t) hp.n_embd_head_v() : 0);
-        out.kv_bytes_per_cell = (int64_t) ggml_type_size(GGML_TYPE_F16) * ((int64_t) hp.n_embd_k_gqa(il) + v_row + indexer_row);
+        const int64_t indexer_k = indexer ? (int64_t) hp.indexer_head_size : 0;
+        const int64_t indexer_v = indexer && model.arch == LLM_ARCH_MINIMAX_M3 ? (int64_t) hp.n_embd_head_v() : 0;
+        out.kv_bytes_per_cell = (int64_t) (ggml_row_size(type_k, hp.n_embd_k_gqa(il)) + ggml_row_size(type_v, v_row) +
+                                           ggml_row_size(type_k, indexer_k) + ggml_row_size(type_v, indexer_v));
         if (hp.swa_type != LLAMA_SWA_TYPE_NONE && hp.is_swa(il)) {
             out.window  = (int32_t) hp.n_swa;
         }
@@ -1271,10 +1346,17 @@ meshnet_layer_memory layer_memory(const llama_model & model, uint32_t il) {
     return out;
 }
 
-meshnet_status meshnet_layer_memory_of(const char * model_path, meshnet_layer_memory * layers, int32_t capacity,
-                                       int32_t * n_layer, char * err, size_t err_cap) {
+meshnet_status meshnet_layer_memory_of(const char * model_path, int32_t type_k, int32_t type_v,
+                                       meshnet_layer_memory * layers, int32_t capacity, int32_t * n_layer,
+                                       char * err, size_t err_cap) {
     if (!model_path || !n_layer || capacity < 0 || (capacity > 0 && !layers)) {
         write_error(err, err_cap, "meshnet_layer_memory_of needs a model path, an output array and a count");
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    const ggml_type k = kv_ggml_type(type_k);
+    const ggml_type v = kv_ggml_type(type_v);
+    if (k == GGML_TYPE_COUNT || v == GGML_TYPE_COUNT) {
+        write_error(err, err_cap, format("KV types %d and %d: each a meshnet_kv_type (0..8)", type_k, type_v));
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     init_llama_once();
@@ -1291,11 +1373,16 @@ meshnet_status meshnet_layer_memory_of(const char * model_path, meshnet_layer_me
             write_error(err, err_cap, format("llama.cpp could not read '%s': %s", model_path, trimmed(tl_llama_errors).c_str()));
             return MESHNET_ERR_MODEL_LOAD;
         }
+        const std::string unfit = kv_types_unfit(*model, k, v);
         *n_layer = (int32_t) model->hparams.n_layer();
-        for (int32_t il = 0; il < std::min(capacity, *n_layer); ++il) {
-            layers[il] = layer_memory(*model, (uint32_t) il);
+        for (int32_t il = 0; unfit.empty() && il < std::min(capacity, *n_layer); ++il) {
+            layers[il] = layer_memory(*model, (uint32_t) il, k, v);
         }
         llama_model_free(model);
+        if (!unfit.empty()) {
+            write_error(err, err_cap, unfit);
+            return MESHNET_ERR_INVALID_ARGUMENT;
+        }
         return MESHNET_OK;
     } catch (const std::exception & e) {
         write_error(err, err_cap, format("reading the layers of '%s' failed: %s", model_path, e.what()));

@@ -9,11 +9,12 @@ import sys
 
 import click
 
-from meshnet.cli.options import (DEFAULT_PROMPT, fail, figure, flash_attn_option, local_keys_option, numerics_option,
+from meshnet.cli.options import (DEFAULT_PROMPT, attention_options, fail, figure, local_keys_option, numerics_option,
                                 prefix_cache_option,
                                 resume_options, sampling_of_flags, sampling_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
+from meshnet.core import kv_cache
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import parse_seams
 from meshnet.engine import models
@@ -34,13 +35,13 @@ from meshnet.engine import models
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
 @local_keys_option
 @numerics_option
-@flash_attn_option
+@attention_options
 @sampling_options
 @resume_options
 @prefix_cache_option
 @speculate_option
 def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, in_process, as_json, secure, numerics,
-        flash_attn, resume_wait, max_resumes, prefix_cache_mib, speculate, **sampling_flags):
+        flash_attn, kv_type, resume_wait, max_resumes, prefix_cache_mib, speculate, **sampling_flags):
     """Continue PROMPT (or answer a --chat message) with the model split into stages (worker processes on this machine)."""
     from meshnet.core.conversation import answer_sampling
     from meshnet.core.layers import ranges_from_seams
@@ -71,19 +72,20 @@ def run(model, stages, split, prompt, chat_message, max_tokens, threads, n_ctx, 
         if in_process:
             tokens, text, metrics, stop_reason = _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
                                                                  chat_message=chat_message, sampling=sampling,
-                                                                 numerics=numerics, flash_attn=flash_attn)
+                                                                 numerics=numerics, flash_attn=flash_attn,
+                                                                 kv_type=kv_type)
         else:
             tokens, text, metrics, stop_reason = _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream,
                                                                  secure, chat_message=chat_message, sampling=sampling,
                                                                  resume_wait=resume_wait, max_resumes=max_resumes,
                                                                  numerics=numerics, flash_attn=flash_attn,
-                                                                 prefix_cache_mib=prefix_cache_mib,
+                                                                 kv_type=kv_type, prefix_cache_mib=prefix_cache_mib,
                                                                  speculate=speculate)
     except MeshnetError as e:
         fail(e)
 
     metrics = dict(metrics, model_sha256=sha256, stop_reason=stop_reason, workers=not in_process, curve=secure,
-                   numerics=numerics or DEFAULT, flash_attn=flash_attn)
+                   numerics=numerics or DEFAULT, flash_attn=flash_attn, kv_type=kv_type)
     if sampling is not None:
         metrics["sampling"] = sampling.to_wire()   # with its seed: the run can be replayed
     if as_json:
@@ -108,11 +110,11 @@ def _check_context(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 
 
 def _run_in_process(path, ranges, prompt, max_tokens, threads, n_ctx, stream, chat_message=None, sampling=None,
-                    numerics=None, flash_attn=False):
+                    numerics=None, flash_attn=False, kv_type=kv_cache.DEFAULT):
     from meshnet.engine.pipeline import LocalPipeline
 
     with LocalPipeline(path, ranges, n_ctx=n_ctx, max_sessions=1, n_threads=threads, numerics=numerics,
-                       flash_attn=flash_attn) as pipe:
+                       flash_attn=flash_attn, kv_type=kv_type) as pipe:
         if chat_message is None:
             prompt_tokens = pipe.head.tokenize(prompt)
         else:   # as the workers' head does it (meshnet/core/conversation.py prompt_tokens)
@@ -130,13 +132,13 @@ def _say(text: str) -> None:
 
 def _run_on_workers(path, ranges, prompt, max_tokens, threads, n_ctx, stream, secure=False, chat_message=None,
                     sampling=None, resume_wait=None, max_resumes=2, numerics=None, flash_attn=False,
-                    prefix_cache_mib=None, speculate=0):
+                    kv_type=kv_cache.DEFAULT, prefix_cache_mib=None, speculate=0):
     from meshnet.core.conversation import prompt_tokens as chat_tokens
     from meshnet.launch.local_cluster import LocalCluster
 
     with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
                       resume_wait=resume_wait, max_resumes=max_resumes, numerics=numerics, flash_attn=flash_attn,
-                      prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say, supervise=True) as cluster:
+                      kv_type=kv_type, prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say, supervise=True) as cluster:
         coordinator = cluster.coordinator
         if chat_message is None:
             prompt_tokens = coordinator.tokenize(prompt)
@@ -184,12 +186,12 @@ class TextStreamer:
 @click.option("--system", default=None, help="a system message that opens the conversation (and stays in it)")
 @local_keys_option
 @numerics_option
-@flash_attn_option
+@attention_options
 @sampling_options
 @prefix_cache_option
 @speculate_option
-def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, flash_attn, prefix_cache_mib, speculate,
-         **sampling_flags):
+def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, flash_attn, kv_type, prefix_cache_mib,
+         speculate, **sampling_flags):
     """Talk with the model split into stages (worker processes on this machine), through its own chat template.
 
     Ctrl-C stops an answer, Ctrl-D quits."""
@@ -207,8 +209,8 @@ def chat(model, stages, threads, n_ctx, max_tokens, system, secure, numerics, fl
         path, _ = models.resolve(model)
         ranges = read_layout(path).balanced_ranges(stages or 2)
         with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=1, secure=secure,
-                          numerics=numerics, flash_attn=flash_attn, prefix_cache_mib=prefix_cache_mib,
-                          speculate=speculate, progress=_say, supervise=True) as cluster:
+                          numerics=numerics, flash_attn=flash_attn, kv_type=kv_type,
+                          prefix_cache_mib=prefix_cache_mib, speculate=speculate, progress=_say, supervise=True) as cluster:
             click.echo(f"meshnet chat: {model or models.DEFAULT_MODEL} in {len(ranges)} stages "
                        f"{' '.join(r.label for r in ranges)} as worker processes, context {n_ctx} tokens, "
                        f"{'greedy' if sampling is None or sampling.temperature <= 0 else 'sampled'} answers of up to "

@@ -10,9 +10,11 @@ import sys
 
 import click
 
-from meshnet.cli.options import fail, numerics_option, parse_nodes, parse_size, speculate_option, usage_error
+from meshnet.cli.options import (attention_options, fail, numerics_option, parse_nodes, parse_size, speculate_option,
+                                 usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
+from meshnet.core import kv_cache
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import parse_seams
 from meshnet.engine import models
@@ -116,9 +118,10 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
 @click.option("--prompts", "prompt_set", type=click.Choice(["prose", "repetitive"]), default="prose", show_default=True,
               help="the prompts decoded: prose, or text that repeats what came before it (code, lists, refrains)")
 @speculate_option
+@attention_options
 @click.option("--json", "as_json", is_flag=True)
 def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, numerics_list, trace_dir, prompt_set,
-          speculate, as_json):
+          speculate, flash_attn, kv_type, as_json):
     """Whole model vs N stages in one process vs N worker processes, side by side."""
     from meshnet.core.numerics import CHOICES, CLASSES
     from meshnet.evidence.bench import CONFIGS, format_report, run_bench
@@ -138,7 +141,7 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, nu
                 out = os.path.join(trace_dir, os.path.basename(name)) if "," in model_names else trace_dir
                 os.makedirs(out, exist_ok=True)
             report = run_bench(name, stages, repeats, n_decode, threads, chosen, sessions, classes, out,
-                               speculate=speculate, prompts=prompt_set)
+                               speculate=speculate, prompts=prompt_set, flash_attn=flash_attn, kv_type=kv_type)
             reports.append(report)
             if not as_json:
                 click.echo(format_report(report))
@@ -183,8 +186,9 @@ def accept(model, out_dir, threads, numerics, only):
               help="cells of each stage's KV pool (meshnet worker --kv-pool) [default: as a worker's, from the model]")
 @click.option("--overhead", default=None, callback=usage_error(parse_size),
               help="memory per worker process beside the stage itself [default: 128M]")
+@attention_options
 @click.option("--json", "as_json", is_flag=True, help='one object {"stages": [{"node", "layers": [A, B], "bytes"}, ...]}')
-def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
+def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, flash_attn, kv_type, as_json):
     """Split MODEL over nodes by the memory each admits: each stage, in route order, as large as its node allows."""
     from meshnet.core.planner import OVERHEAD, ModelCost, Node, fitted_pool, format_size, worker_settings
     from meshnet.core.planner import plan as make_plan
@@ -195,7 +199,7 @@ def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
         layout = read_layout(path)
         settings = worker_settings(layout.n_ctx_train, n_ctx, kv_pool, sessions)   # (as a worker with --mem)
         n_ctx = settings.n_ctx
-        cost = ModelCost.from_layout(layout, _layer_memory_if_built(path))
+        cost = ModelCost.from_layout(layout, _layer_memory_if_built(path, kv_type))
         overhead = OVERHEAD if overhead is None else overhead
         result = make_plan(cost, [Node(name, mem, settings) for name, mem in nodes], overhead)
     except MeshnetError as e:
@@ -210,7 +214,8 @@ def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
             stage["kv_pool"] = pool
         click.echo(json.dumps(dict(planned, n_ctx=n_ctx)))
         return
-    click.echo(f"context {n_ctx} tokens per session at most, {sessions} sessions sharing each stage's KV pool")
+    click.echo(f"context {n_ctx} tokens per session at most, {sessions} sessions sharing each stage's KV pool"
+               f" (KV cells in {kv_type})")
     click.echo(f"{'node':<16} {'layers':<10} {'needs':>12} {'admits':>12} {'KV pool':>10}")
     for stage, pool in zip(result.stages, pools):
         click.echo(f"{stage.node:<16} {stage.layers.label:<10} {format_size(stage.bytes):>12} "
@@ -219,13 +224,13 @@ def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, as_json):
         click.echo(f"{name:<16} {'-':<10} left out: {why}")
 
 
-def _layer_memory_if_built(path):
+def _layer_memory_if_built(path, kv_type: str = kv_cache.DEFAULT):
     """Each layer's memory from the engine; None without an engine (then every layer is
-    counted as full-context attention, as a transformer's are)."""
+    counted as full-context attention in f16, as a transformer's are)."""
     from meshnet.engine.binding import layer_memory
 
     try:
-        return layer_memory(path)
+        return layer_memory(path, kv_type)
     except MeshnetError as e:
         if e.code != "engine_missing":
             raise

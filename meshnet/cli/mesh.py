@@ -10,7 +10,7 @@ import sys
 import click
 
 from meshnet.cli.local import TextStreamer
-from meshnet.cli.options import (fail, flash_attn_option, numerics_option, parse_size, prefix_cache_option,
+from meshnet.cli.options import (attention_options, fail, numerics_option, parse_size, prefix_cache_option,
                                  refuse_open_without_keys, resume_options, speculate_option, usage_error)
 from meshnet.core import defaults
 from meshnet.core import errors
@@ -66,7 +66,7 @@ from meshnet.launch.progress import load_bars
 @click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
                                             "make GPU=cuda); it then reports backend CUDA and the GPU's name")
 @numerics_option(baseline=True)
-@flash_attn_option
+@attention_options
 @click.option("--trace", default=None, help="record a span per step of the per-token path and write them to this "
                                             "file (JSON) when the worker stops: what meshnet bench --trace reads")
 @click.option("--spin-ms", type=click.FloatRange(min=0), default=None,
@@ -77,7 +77,7 @@ from meshnet.launch.progress import load_bars
 def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, kv_pool,
            max_queue,
            data_bind, cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu,
-           numerics, flash_attn, trace, spin_ms, prefix_cache_mib):
+           numerics, flash_attn, kv_type, trace, spin_ms, prefix_cache_mib):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.net.join import MAX_TOKEN_CHARS
@@ -135,7 +135,7 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
                               kv_pool=settings.kv_pool, kv_pool_floor=settings.pool_floor,
                               n_threads=threads,
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, flash_attn=flash_attn,
-                              trace=trace, spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
+                              kv_type=kv_type, trace=trace, spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
                               coordinator_key=joined.coordinator_key, fetch=joined.fetch,
                               weights=holder.endpoint if holder is not None else None,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,

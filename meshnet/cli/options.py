@@ -3,6 +3,7 @@ the planner's) and nodes, and how a command fails (its exit status from the erro
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import click
@@ -89,13 +90,29 @@ def numerics_option(command=None, *, baseline: bool = False):
     return decorate(command) if command is not None else decorate
 
 
-def flash_attn_option(command):
+def attention_options(command):
     """--flash-attn: llama.cpp's flash-attention kernels, as llama-server uses by default; in
-    the invariant class each query row on its own, so its rows stay alike however batched."""
+    the invariant class each query row on its own, so its rows stay alike however batched.
+    --kv-type: the KV cache's element types (core/kv_cache.py), checked against it (a
+    quantized V needs flash attention) before anything starts."""
+    from meshnet.core import kv_cache
+
+    @functools.wraps(command)
+    def checked(*args, **kwargs):
+        try:
+            kwargs["kv_type"] = kv_cache.check(kwargs["kv_type"], kwargs["flash_attn"])
+        except MeshnetError as e:
+            raise click.UsageError(e.message) from None
+        return command(*args, **kwargs)
+    checked = click.option("--kv-type", "kv_type", default=kv_cache.DEFAULT, show_default=True,
+                           metavar="TYPE[,TYPE]",
+                           help=f"the KV cache's types, K and V alike or as K,V ({', '.join(kv_cache.TYPES)}): "
+                                "q8_0 holds a context in about half of f16's memory, q4_0 in about a quarter; a "
+                                "quantized V needs --flash-attn; a class of its own")(checked)
     return click.option("--flash-attn", "flash_attn", is_flag=True, default=False,
                         help="flash attention (llama-server's default on a CPU): attention over the cells in use "
                              "and no 16-bit transposed V; its tokens are those of the whole model with flash "
-                             "attention, not without (a class of its own)")(command)
+                             "attention, not without (a class of its own)")(checked)
 
 
 def prefix_cache_option(command):

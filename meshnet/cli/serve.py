@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import click
 
-from meshnet.cli.options import (fail, flash_attn_option, numerics_option, parse_size, prefix_cache_option,
+from meshnet.cli.options import (attention_options, fail, numerics_option, parse_size, prefix_cache_option,
                                  refuse_open_without_keys, resume_options, speculate_option, usage_error)
 from meshnet.core import defaults
+from meshnet.core import kv_cache
 from meshnet.core.errors import MeshnetError
 
 @click.command()
@@ -53,12 +54,12 @@ from meshnet.core.errors import MeshnetError
 
 
 @numerics_option
-@flash_attn_option
+@attention_options
 @resume_options
 @prefix_cache_option
 @speculate_option
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_pool, max_queue, queue_wait, bind, secret_file, allow_path, mem, announce,
-          insecure, stuck_after, numerics, flash_attn, resume_wait, max_resumes, prefix_cache_mib, speculate):
+          insecure, stuck_after, numerics, flash_attn, kv_type, resume_wait, max_resumes, prefix_cache_mib, speculate):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
@@ -66,6 +67,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_p
 
     local = {"--stages": stages, "--threads": threads, "--ctx": n_ctx, "--max-sessions": max_sessions, "--kv-pool": kv_pool,
              "--numerics": numerics, "--flash-attn": flash_attn or None,
+             "--kv-type": kv_type if kv_type != kv_cache.DEFAULT else None,
              "--prefix-cache": prefix_cache_mib if click.get_current_context().get_parameter_source(
                  "prefix_cache_mib").name == "COMMANDLINE" else None}
     if bind is not None and any(v is not None for v in local.values()):
@@ -98,8 +100,8 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_p
         run_server(model, listen(host, port), api_key=api_key, bind=bind, coordinator_options=options,
                    mesh=mesh, mesh_mem=mem, announce=announce_by_default() if announce is None else announce,
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx, max_sessions=max_sessions or defaults.MAX_SESSIONS,
-                   secure=not insecure, numerics=numerics, flash_attn=flash_attn, prefix_cache_mib=prefix_cache_mib,
-                   stuck_after=stuck_after,
+                   secure=not insecure, numerics=numerics, flash_attn=flash_attn, kv_type=kv_type,
+                   prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
                    max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool,
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:

@@ -18,6 +18,7 @@ from cffi import FFI
 
 from meshnet.core import defaults
 from meshnet.core import errors
+from meshnet.core import kv_cache
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
@@ -28,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -137,18 +138,20 @@ class LayerMemory:
     state_bytes: int         # recurrent state; 0: none
 
 
-def layer_memory(model_path: str | os.PathLike) -> list[LayerMemory]:
-    """Each layer's memory, as llama.cpp sizes it, from the model's hyperparameters (no
-    weights read): what the planner counts per layer type."""
+def layer_memory(model_path: str | os.PathLike, kv_type: str = kv_cache.DEFAULT) -> list[LayerMemory]:
+    """Each layer's memory, as llama.cpp sizes it with KV cells of KV_TYPE, from the model's
+    hyperparameters (no weights read): what the planner counts per layer type."""
     lib = library()
     err = _ffi.new("char[]", 1024)
     n_layer = _ffi.new("int32_t *")
     capacity = 1024   # room for any model there is, so the file is read once
     raw = _ffi.new("meshnet_layer_memory[]", capacity)
-    status = lib.meshnet_layer_memory_of(str(model_path).encode(), raw, capacity, n_layer, err, 1024)
+    type_k, type_v = kv_cache.codes(kv_type)
+    status = lib.meshnet_layer_memory_of(str(model_path).encode(), type_k, type_v, raw, capacity, n_layer, err, 1024)
     if status == 0 and n_layer[0] > capacity:
         raw = _ffi.new("meshnet_layer_memory[]", n_layer[0])
-        status = lib.meshnet_layer_memory_of(str(model_path).encode(), raw, n_layer[0], n_layer, err, 1024)
+        status = lib.meshnet_layer_memory_of(str(model_path).encode(), type_k, type_v, raw, n_layer[0], n_layer,
+                                             err, 1024)
     if status != 0:
         raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), _ffi.string(err).decode(errors="replace"))
     return [LayerMemory(int(r.kv_bytes_per_cell), int(r.window), int(r.state_bytes))
@@ -253,10 +256,12 @@ class Stage:
         numerics: str | None = None,
         progress: Callable[[float], None] | None = None,
         pool_cells: int = 0,
+        kv_type: str = kv_cache.DEFAULT,
     ):
         """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1).
         POOL_CELLS: one KV pool of that many cells that the sessions share, each up to n_ctx
-        (meshnet_engine.h); 0: a KV stream of n_ctx cells per session."""
+        (meshnet_engine.h); 0: a KV stream of n_ctx cells per session. KV_TYPE: the cache's
+        element types (core/kv_cache.py)."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -276,6 +281,8 @@ class Stage:
                 "gpu": gpu,
                 "numerics": numerics_classes.code(numerics or numerics_classes.default_for(gpu)),
                 "pool_cells": pool_cells,
+                "type_k": kv_cache.codes(kv_type)[0],
+                "type_v": kv_cache.codes(kv_type)[1],
             },
         )
         if progress is not None:

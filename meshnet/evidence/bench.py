@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from meshnet.core import kv_cache
 from meshnet.core import numerics as numerics_classes
 from meshnet.core import trace
 from meshnet.core.metrics import paired_ratio, rss_bytes
@@ -85,20 +86,23 @@ def summary(values: list[float]) -> dict | None:
 
 def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: int, configs=CONFIGS,
               sessions: int = 1, numerics: Sequence[str] = (numerics_classes.DEFAULT,),
-              trace_dir: str | None = None, speculate: int = 0, prompts: str = "prose") -> dict:
+              trace_dir: str | None = None, speculate: int = 0, prompts: str = "prose", flash_attn: bool = False,
+              kv_type: str = kv_cache.DEFAULT) -> dict:
     """NUMERICS: the classes to measure; every configuration runs in the first, and each
     other class (baseline: the kernels before the classes) adds a worker configuration
     of its own, "workers-<class>", measured side by side with the rest. TRACE_DIR: the
     workers configuration records its per-token spans (core/trace.py); their table is
     the report's "timeline", and TRACE_DIR gets the spans and a picture of them.
     SPECULATE: also "workers-ngram", the workers drafting up to that many tokens a round.
-    The workers keep no prefix store: every run computes its prompt, as in one process."""
+    The workers keep no prefix store: every run computes its prompt, as in one process.
+    FLASH_ATTN, KV_TYPE: every configuration's attention and KV cache."""
     texts = PROMPT_SETS[prompts]
     path, sha256 = models.resolve(model)
     layout = read_layout(path)
     ranges = layout.balanced_ranges(n_stages)
     first_class, other_classes = numerics[0], list(numerics[1:])
-    options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads, numerics=first_class)
+    attention = dict(flash_attn=flash_attn, kv_type=kv_type)
+    options = dict(n_ctx=1024, max_sessions=max(sessions, 1), n_threads=threads, numerics=first_class, **attention)
     runners, concurrent, closers, samples = {}, {}, [], {}
 
     def in_process(label, pipe):
@@ -128,7 +132,8 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
             cluster = clusters[label] = LocalCluster(path, ranges, threads=threads, n_ctx=1024,
                                                      max_sessions=max(sessions, 1), secure=secure,
                                                      numerics=numerics_class, trace_dir=traced, prefix_cache_mib=0,
-                                                     speculate=speculate if label == "workers-ngram" else 0).start()
+                                                     speculate=speculate if label == "workers-ngram" else 0,
+                                                     **attention).start()
             closers.append(cluster.close)
             runners[label] = lambda tokens, c=cluster.coordinator: c.generate(tokens, n_decode + 1,
                                                                               stop_at_eog=False).result().metrics
@@ -163,7 +168,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
 
     settings = {"model": model, "model_sha256": sha256, "stages": [list(r) for r in ranges], "repeats": repeats,
                 "prompts": len(texts), "prompt_set": prompts, "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
-                "n_embd": layout.n_embd, "numerics": list(numerics)}
+                "n_embd": layout.n_embd, "numerics": list(numerics), **attention}
     report = bench_report(settings, samples, first_class)
     if coordinator_spans is not None:
         report["timeline"] = write_timeline(trace_dir, len(ranges), coordinator_spans)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from meshnet.core import defaults
 from meshnet.core import errors
+from meshnet.core import kv_cache
 from meshnet.core import numerics as numerics_classes
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
@@ -165,6 +166,7 @@ class LocalCluster:
         gpu_stages: Sequence[int] = (),
         numerics: str | None = None,
         flash_attn: bool = False,
+        kv_type: str = kv_cache.DEFAULT,
         trace_dir: str | None = None,
         prefix_cache_mib: int | None = None,
         progress: Callable[[str], None] | None = None,
@@ -176,7 +178,7 @@ class LocalCluster:
         # one class for the whole route, a GPU stage's or not (a GPU runs stock)
         self.numerics = numerics or numerics_classes.default_for(bool(gpu_stages))
         self.worker_options = dict(n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
-                                   numerics=self.numerics, flash_attn=flash_attn,
+                                   numerics=self.numerics, flash_attn=flash_attn, kv_type=kv_type,
                                    **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                                            heartbeat_liveness=heartbeat_liveness, prefix_cache_mib=prefix_cache_mib))
         if heartbeat_interval is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshnet.core import errors as E
-from meshnet.core import numerics
+from meshnet.core import kv_cache, numerics
 from meshnet.core.planner import ModelCost
 from meshnet.net.fields import (BOOL, DICT, INT, LIST, MAX_BATCH, MAX_CTX, MAX_EMBD, MAX_LAYERS, MAX_SESSIONS,
                                 MAX_VOCAB, STR, ProtocolError, at_most, byte_count, checked, endpoint,
@@ -29,6 +29,7 @@ FIELDS: dict[str, tuple] = {
     "wire_dtype": (STR, True, lambda v: v == "f32"),
     "numerics": (STR, True, lambda v: v in numerics.CLASSES),   # part of the compatibility class
     "flash_attn": (BOOL, False, None),          # flash attention: part of the class too
+    "kv_type": (STR, False, kv_cache.is_canonical),   # the KV cache's types, absent for f16: the class too
     "max_sessions": (INT, True, at_most(MAX_SESSIONS)),
     "n_ctx": (INT, True, at_most(MAX_CTX)),
     "kv_pool": (INT, False, lambda v: 0 <= v <= MAX_CTX * MAX_SESSIONS),   # cells of its sessions' shared KV pool
@@ -136,6 +137,7 @@ class Capability:
     kv_pool: int = 0
     kv_pool_floor: int = 0
     flash_attn: bool = False  # part of the compatibility class
+    kv_type: str = kv_cache.DEFAULT   # so is this
 
     @classmethod
     def parse(cls, wire: dict, rid: int | None = None) -> "Capability":
@@ -158,6 +160,8 @@ class Capability:
         for name in ("kv_pool", "kv_pool_floor", "flash_attn"):
             if not getattr(self, name):
                 del wire[name]   # (none: as a worker without one sends it)
+        if self.kv_type == kv_cache.DEFAULT:
+            del wire["kv_type"]
         for name in ("layers", "loading"):
             if getattr(self, name) is not None:
                 wire[name] = list(getattr(self, name))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+from meshnet.core import kv_cache
 from meshnet.core.errors import ROUTE_INCOMPLETE, MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.net.capability import Capability
@@ -27,10 +28,12 @@ class CompatClass(NamedTuple):
     wire_dtype: str
     numerics: str
     flash_attn: bool = False   # its attention sums differ from the plain kernels': a class of its own
+    kv_type: str = kv_cache.DEFAULT   # the cache rounds what attention reads: so does this
 
     def __str__(self) -> str:
         return (f"model {self.model_sha256[:12]} {self.engine_pin} {self.backend} {self.wire_dtype} numerics "
-                f"{self.numerics}" + (" flash attention" if self.flash_attn else ""))
+                f"{self.numerics}" + (" flash attention" if self.flash_attn else "")
+                + (f" kv {self.kv_type}" if self.kv_type != kv_cache.DEFAULT else ""))
 
     def differences(self, other: "CompatClass") -> str:
         """What differs, in words: 'model abc... vs def...; backend CPU vs CUDA'."""
@@ -74,7 +77,7 @@ class StageOffer:
 
 def compat_class_of(capability: Capability) -> CompatClass:
     return CompatClass(capability.model_sha256, capability.engine_pin, capability.backend,
-                       capability.wire_dtype, capability.numerics, capability.flash_attn)
+                       capability.wire_dtype, capability.numerics, capability.flash_attn, capability.kv_type)
 
 
 def offer_from_capability(worker: str, capability: Capability, registered: int = 0) -> StageOffer:

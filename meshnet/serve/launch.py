@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from meshnet.core import defaults
+from meshnet.core import kv_cache
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.engine import models
@@ -35,7 +36,7 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
           coordinator_options: dict | None = None, stages: int = 2, threads: int = 0, n_ctx: int | None = None,
           max_sessions: int = defaults.MAX_SESSIONS, secure: bool = True, numerics: str | None = None,
-          flash_attn: bool = False,
+          flash_attn: bool = False, kv_type: str = kv_cache.DEFAULT,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
           stuck_after: float = defaults.STUCK_AFTER_S, max_queue: int = defaults.MAX_QUEUE,
           queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int | None = None, echo=print) -> None:
@@ -79,7 +80,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                      "batched together may get others (--numerics invariant holds them under any batching)")
             with LocalCluster(path, ranges, threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, kv_pool=kv_pool,
                               secure=secure,
-                              numerics=numerics, flash_attn=flash_attn, prefix_cache_mib=prefix_cache_mib,
+                              numerics=numerics, flash_attn=flash_attn, kv_type=kv_type, prefix_cache_mib=prefix_cache_mib,
                               progress=echo,
                               supervise=True, **resume) as cluster:
                 run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")

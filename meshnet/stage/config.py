@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from meshnet.core import defaults
+from meshnet.core import kv_cache
 from meshnet.core import numerics as numerics_classes
 from meshnet.net.heartbeat import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from meshnet.net.security import KeyPair
@@ -54,7 +55,8 @@ class WorkerConfig:
     heartbeat_liveness: int = HEARTBEAT_LIVENESS
     gpu: bool = False                      # all the stage's layers on the first GPU (the GPU engine, make GPU=cuda)
     numerics: str | None = None            # the numerics class (meshnet/core/numerics.py); None: the default for gpu
-    flash_attn: bool = False               # llama.cpp's flash-attention kernels (the stock class only)
+    flash_attn: bool = False               # llama.cpp's flash-attention kernels: a compatibility class of their own
+    kv_type: str = kv_cache.DEFAULT        # the KV cache's element types (core/kv_cache.py): part of the class too
     trace: str | None = None               # a file the worker writes its per-token spans to when it stops (core/trace.py)
     spin_ms: float | None = None           # polling for the next input before sleeping; None: spin_ms_for
     prefix_cache_mib: int = defaults.PREFIX_CACHE_MIB   # the prefix store's cap (stage/prefix_store.py); 0: none
@@ -105,6 +107,8 @@ class WorkerConfig:
             argv.append("--gpu")
         if self.flash_attn:
             argv.append("--flash-attn")
+        if self.kv_type != kv_cache.DEFAULT:
+            argv += ["--kv-type", self.kv_type]
         if key_files is not None:
             argv += ["--secret", str(key_files[0]), "--coordinator-key", str(key_files[1])]
         return argv

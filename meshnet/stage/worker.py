@@ -25,6 +25,7 @@ from concurrent.futures import Future
 import zmq
 
 from meshnet.core import errors as E
+from meshnet.core import kv_cache
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange
 from meshnet.core.metrics import clock_id, rss_bytes
@@ -132,7 +133,7 @@ class StageWorker:
         config = self.config
         if not config.kv_pool_floor or config.mem is None:
             return config.kv_pool
-        cost = self.cost or ModelCost.from_layout(self._layout(), layer_memory(config.model_path))
+        cost = self.cost or ModelCost.from_layout(self._layout(), layer_memory(config.model_path, config.kv_type))
         return fitted_pool(cost, layers[0], layers[1], self._settings(), config.mem)
 
     def _settings(self) -> Settings:
@@ -157,7 +158,7 @@ class StageWorker:
         stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                       n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
                       numerics=config.numerics_class, flash_attn=config.flash_attn, progress=progress,
-                      pool_cells=self._pool_for(layers))
+                      pool_cells=self._pool_for(layers), kv_type=config.kv_type)
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
@@ -213,6 +214,7 @@ class StageWorker:
             "wire_dtype": "f32",
             "numerics": self.config.numerics_class,
             **({"flash_attn": True} if self.config.flash_attn else {}),
+            **({"kv_type": self.config.kv_type} if self.config.kv_type != kv_cache.DEFAULT else {}),
             "max_sessions": self.config.max_sessions,
             "n_ctx": self.config.n_ctx,
             **({"kv_pool": self.config.kv_pool} if self.config.kv_pool else {}),
@@ -233,7 +235,7 @@ class StageWorker:
     def _wait_for_a_range(self) -> None:
         """--layers auto: announce the budget and the model's costs, hold nothing yet."""
         layout = self._layout()
-        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path))
+        self.cost = ModelCost.from_layout(layout, layer_memory(self.config.model_path, self.config.kv_type))
         self.capability = dict(self._common_capability(layout.n_layer, layout.arch, layout.n_embd, layout.n_vocab),
                                admitted_bytes=self.config.mem, cost=self.cost.to_dict())
 
@@ -294,7 +296,7 @@ class StageWorker:
     def _prefix_store(self, info) -> PrefixStore | None:
         """The store of ended sessions' memory, where reusing it gives the same tokens."""
         why_not = store_refusal(self.config.prefix_cache_mib, self.config.numerics_class,
-                                       layer_memory(self.config.model_path)[info.layer_start:info.layer_end])
+                                       layer_memory(self.config.model_path, self.config.kv_type)[info.layer_start:info.layer_end])
         capacity = store_capacity(self.config.prefix_cache_mib, self.config.mem,
                                   info.model_bytes + info.kv_bytes + info.compute_bytes)
         if why_not is None and capacity == 0:

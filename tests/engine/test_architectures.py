@@ -95,25 +95,38 @@ def test_a_generated_model_of_the_first_three_architectures_loads_as_every_range
 PLANNER_APPROXIMATE = {"deepseek4"}
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0,f16"])
 @pytest.mark.parametrize("arch", [arch for arch in SPLITS if arch not in PLANNER_APPROXIMATE])
-def test_the_planner_counts_each_stage_s_kv_and_state_as_the_engine_allocates_them(arch):
+def test_the_planner_counts_each_stage_s_kv_and_state_as_the_engine_allocates_them(arch, kv_type):
     # per layer type (full attention, sliding window, MLA, indexer keys, recurrent state),
-    # from engine.layer_memory, for every split of every generated model of the architecture
+    # from engine.layer_memory, for every split of every generated model of the architecture,
+    # with the KV cache in f16, in q8_0 (flash attention) and with K alone quantized; types
+    # the model cannot keep (blocks that do not divide its heads, MLA's one cache for K and
+    # V, Grok without flash attention) are refused alike by both, saying why
+    from meshnet.core import kv_cache
     from meshnet.core.planner import ModelCost
     from meshnet.engine.binding import layer_memory
     from meshnet.engine.gguf_layout import read_layout
 
     # (a context longer than window + n_batch, so a window that capped its cache would show)
     n_ctx, n_sessions, n_batch = 1024, 2, 256
+    attention = dict(kv_type=kv_type, flash_attn=kv_cache.needs_flash_attn(kv_type))
     for stem, path in MODELS.items():
         if model_arch(stem) != arch:
             continue
-        cost = ModelCost.from_layout(read_layout(path), layer_memory(path))
+        try:
+            cost = ModelCost.from_layout(read_layout(path), layer_memory(path, kv_type))
+        except MeshnetError as refused:
+            assert refused.code == "invalid_argument" and "cache" in refused.message, refused
+            with pytest.raises(MeshnetError) as also:
+                Stage(path, n_ctx=n_ctx, max_sessions=n_sessions, n_threads=THREADS, **attention)
+            assert also.value.message == refused.message
+            continue
         for ranges in [[(0, cost.n_layer)]] + parity.splits(cost.n_layer):
             for start, end in ranges:
                 layers = None if (start, end) == (0, cost.n_layer) else (start, end)
                 with Stage(path, layers, n_ctx=n_ctx, max_sessions=n_sessions, n_batch=n_batch,
-                           n_threads=THREADS) as stage:
+                           n_threads=THREADS, **attention) as stage:
                     allocated = stage.info().kv_bytes
                 assert cost.memory_bytes(start, end, n_ctx, n_sessions) == allocated, (stem, start, end)
 

@@ -52,10 +52,10 @@ def assert_rows_agree(results: dict[str, dict[int, np.ndarray]]) -> None:
             assert diff == 0.0, f"{name}: row {pos} differs from the row fed alone by {diff}"
 
 
-def invariant_stages(path, n_layer):
+def invariant_stages(path, n_layer, **options):
     """A head before the tail (every row's residual) and the whole model (logits)."""
-    return [Stage(path, (0, n_layer // 2), n_ctx=256, max_sessions=4, n_threads=THREADS),
-            Stage(path, n_ctx=256, max_sessions=4, n_threads=THREADS)]
+    return [Stage(path, (0, n_layer // 2), n_ctx=256, max_sessions=4, n_threads=THREADS, **options),
+            Stage(path, n_ctx=256, max_sessions=4, n_threads=THREADS, **options)]
 
 
 @pytest.mark.parametrize("model", ["smollm2", "qwen"])
@@ -89,12 +89,13 @@ def test_invariant_rows_beside_other_sessions_rows_are_what_they_are_alone(model
     assert np.array_equal(decode_row, alone[7])
 
 
-@pytest.mark.parametrize("pool_cells", [0, 2048])
-def test_invariant_rows_with_flash_attention_are_bit_identical_however_batched(pool_cells, smollm2_path):
+@pytest.mark.parametrize("pool_cells, kv_type", [(0, "f16"), (2048, "f16"), (0, "q8_0"), (2048, "q4_0")])
+def test_invariant_rows_with_flash_attention_are_bit_identical_however_batched(pool_cells, kv_type, smollm2_path):
     # the CPU kernel's three paths (a row alone, a tile of rows, one row's cells split over the
-    # threads past 512 of them) would each sum a row otherwise: the class runs the first (0016)
+    # threads past 512 of them) would each sum a row otherwise: the class runs the first (0016);
+    # a quantized cache's cells are each quantized on their own as they are written
     with Stage(smollm2_path, n_ctx=1024, max_sessions=4, n_threads=THREADS, flash_attn=True,
-               pool_cells=pool_cells) as whole:
+               pool_cells=pool_cells, kv_type=kv_type) as whole:
         tokens = np.asarray(whole.tokenize(PROMPT * 25), dtype=np.int32)[:600]
         assert len(tokens) == 600
         rows = {name: feed(whole, i, tokens, cuts) for i, (name, cuts) in enumerate({
@@ -124,15 +125,15 @@ def test_the_tail_s_logits_beside_other_sessions_rows_are_what_the_rows_give_alo
     assert np.array_equal(batched.logits[1], alone[20])
 
 
-def assert_invariant_on_generated(path):
+def assert_invariant_on_generated(path, **options):
     """A generated model's rows (128-token vocabulary) alike however they are chunked, in a
     head and in the whole model, and beside another session's rows."""
     tokens = np.random.default_rng(7).integers(0, 128, size=29).astype(np.int32)
-    for stage in invariant_stages(path, read_layout(path).n_layer):
+    for stage in invariant_stages(path, read_layout(path).n_layer, **options):
         with stage:
             assert_rows_agree({name: feed(stage, i, tokens, cuts)
                                for i, (name, cuts) in enumerate(chunkings(len(tokens)).items())})
-    with Stage(path, (0, 1), n_ctx=256, max_sessions=3, n_threads=THREADS) as head:
+    with Stage(path, (0, 1), n_ctx=256, max_sessions=3, n_threads=THREADS, **options) as head:
         alone = feed(head, 0, tokens, list(range(1, len(tokens))))
         for sid in (1, 2):
             head.open_session(sid)
@@ -147,6 +148,25 @@ def test_invariant_rows_are_bit_identical_on_generated_dense_models(arch, arch_m
     # F32 weights take llamafile's sgemm from 2 rows up: the class must hold there too
     assert read_layout(arch_models[arch]).arch == arch
     assert_invariant_on_generated(arch_models[arch])
+
+
+# K alone quantized (no flash attention: V stays f16, transposed), and K and V (flash attention)
+KV_TYPES = {"q8_0,f16": False, "q8_0": True, "q4_0": True}
+
+
+@pytest.mark.parametrize("kv_type", KV_TYPES)
+def test_invariant_rows_with_a_quantized_kv_cache_are_bit_identical_however_batched(kv_type, arch_models,
+                                                                                   smollm2_path, qwen_path,
+                                                                                   gemma3_path):
+    options = dict(kv_type=kv_type, flash_attn=KV_TYPES[kv_type])
+    for arch in DENSE_ARCHS:
+        assert_invariant_on_generated(arch_models[arch], **options)
+    for path in (smollm2_path, qwen_path, gemma3_path):
+        for stage in invariant_stages(path, read_layout(path).n_layer, **options):
+            with stage:
+                tokens = np.asarray(stage.tokenize(PROMPT), dtype=np.int32)
+                assert_rows_agree({name: feed(stage, i, tokens, cuts)
+                                   for i, (name, cuts) in enumerate(chunkings(len(tokens)).items())})
 
 
 # every weight type people run, each with the kernels this machine picks for it (a plain or
@@ -285,18 +305,18 @@ def _route_workers(coordinator) -> int:
         return 0
 
 
-@pytest.mark.parametrize("numerics", ["invariant", "stock"])
-def test_a_flash_attention_route_gives_the_whole_model_s_tokens_with_flash_attention(numerics, smollm2_path):
-    # flash attention (llama-server's default on a CPU): a route of two workers with it, over
-    # a shared KV pool, gives what the whole model gives with it in one process, fed as stock
-    # feeds a prompt; a worker without it is kept out
+@pytest.mark.parametrize("numerics, kv_type", [("invariant", "f16"), ("stock", "f16"), ("invariant", "q8_0")])
+def test_a_flash_attention_route_gives_the_whole_model_s_tokens_with_flash_attention(numerics, kv_type, smollm2_path):
+    # flash attention (llama-server's default on a CPU), and with it a quantized KV cache: a
+    # route of two workers with them, over a shared KV pool, gives what the whole model gives
+    # with them in one process, fed as stock feeds a prompt; a worker without them is kept out
     from meshnet.engine.pipeline import LocalPipeline
     from meshnet.evidence import prompts
     from meshnet.launch.local_cluster import LocalCluster
 
     n_tokens = 24
     options = dict(n_ctx=512, max_sessions=1, n_threads=THREADS, numerics=numerics)
-    with LocalPipeline(smollm2_path, [(0, 30)], flash_attn=True, **options) as whole:
+    with LocalPipeline(smollm2_path, [(0, 30)], flash_attn=True, kv_type=kv_type, **options) as whole:
         prompt_tokens = [whole.head.tokenize(p) for p in prompts.CLASS_CHECK]
         expected = [whole.generate(t, n_tokens, stop_at_eog=False, keep_logits=True) for t in prompt_tokens]
     with LocalPipeline(smollm2_path, [(0, 30)], **options) as plain:
@@ -305,19 +325,26 @@ def test_a_flash_attention_route_gives_the_whole_model_s_tokens_with_flash_atten
     assert not np.array_equal(without.logits[0], expected[-1].logits[0])
     ranges = read_layout(smollm2_path).balanced_ranges(2)
     with LocalCluster(smollm2_path, ranges, threads=THREADS, n_ctx=512, max_sessions=2, kv_pool=1024,
-                      numerics=numerics, flash_attn=True, secure=False) as cluster:   # (plain: the third worker joins)
+                      numerics=numerics, flash_attn=True, kv_type=kv_type,
+                      secure=False) as cluster:   # (plain: the third worker joins)
         coordinator = cluster.coordinator
         assert [w.get("flash_attn") for w in coordinator.workers_snapshot()] == [True, True]
+        assert [w.get("kv_type", "f16") for w in coordinator.workers_snapshot()] == [kv_type, kv_type]
         # (the prompt in one chunk, as stock feeds it: flash attention's sums follow the chunks)
         answers = [coordinator.generate(t, n_tokens, stop_at_eog=False, prefill_chunk=512).result(600).tokens
                    for t in prompt_tokens]
-        plain_worker = start_worker(smollm2_path, coordinator.endpoint, ranges[1].as_tuple(), "--numerics", numerics)
+        # a worker without flash attention; with it but an f16 cache where the route's is quantized
+        other = ("--flash-attn",) if kv_type != "f16" else ()
+        plain_worker = start_worker(smollm2_path, coordinator.endpoint, ranges[1].as_tuple(), "--numerics", numerics,
+                                    *other)
+        difference = "kv type f16 vs q8_0" if other else "flash attn False vs True"
         try:
             def plain_kept_out() -> str:
                 stages = coordinator.metrics()["stages"]
                 return next((s["kept_out"] or "" for s in stages if s["worker"] not in
-                             {w["name"] for w in coordinator.workers_snapshot() if w.get("flash_attn")}), "")
-            assert wait_until(lambda: "flash attn False vs True" in plain_kept_out(), timeout=120), plain_kept_out()
+                             {w["name"] for w in coordinator.workers_snapshot()
+                              if w.get("flash_attn") and w.get("kv_type", "f16") == kv_type}), "")
+            assert wait_until(lambda: difference in plain_kept_out(), timeout=120), plain_kept_out()
         finally:
             plain_worker.terminate()
             plain_worker.wait(30)

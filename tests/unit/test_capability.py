@@ -31,6 +31,14 @@ def test_flash_attention_is_kept_where_a_worker_names_it_and_left_off_the_wire_w
     assert not Capability.parse(fake_wire_capability("w1", 0, 2)).flash_attn
 
 
+def test_a_kv_cache_type_is_kept_where_a_worker_names_it_and_left_off_the_wire_for_f16():
+    wire = dict(fake_wire_capability("w1", 0, 2), flash_attn=True, kv_type="q8_0,f16")
+    capability = Capability.parse(wire)
+    assert capability.kv_type == "q8_0,f16" and capability.to_wire() == wire
+    assert Capability.parse(fake_wire_capability("w1", 0, 2)).kv_type == "f16"
+    assert "kv_type" not in Capability.parse(fake_wire_capability("w1", 0, 2)).to_wire()
+
+
 def test_a_waiting_worker_s_cost_table_becomes_the_planner_s_model_cost():
     wire = {k: v for k, v in fake_wire_capability("w1", 0, 1).items() if k not in ("layers", "data_endpoint")}
     wire.update(mem_bytes=1 << 30, cost=COST.to_dict())
@@ -48,6 +56,8 @@ def test_a_waiting_worker_s_cost_table_becomes_the_planner_s_model_cost():
     (dict(wire_dtype="f16"), "field 'wire_dtype' has a bad value"),
     (dict(surprise=1), "unknown field"),
     (dict(flash_attn=1), "field 'flash_attn' has a bad value"),
+    (dict(kv_type="q3_k"), "field 'kv_type' has a bad value"),
+    (dict(kv_type="q8_0,q8_0"), "field 'kv_type' has a bad value"),   # (one spelling of a class: "q8_0")
 ])
 def test_a_capability_no_route_can_use_is_refused_saying_which_field(change, why):
     wire = fake_wire_capability("w1", 0, 2)

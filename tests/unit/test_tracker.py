@@ -103,6 +103,15 @@ def test_flash_attention_is_a_class_of_its_own_within_the_stock_class():
         == [(0, 15), (15, 30)]
 
 
+def test_a_kv_cache_type_is_a_class_of_its_own():
+    invariant = ("llama.cpp@0c1e57098", "CPU", "f32", "invariant", True)
+    message = refusal([offer("w1", 0, 15, compat=(*invariant, "q8_0")), offer("w2", 15, 30, compat=invariant)])
+    assert "w2 [15,30) (incompatible class" in message and "kv type f16 vs q8_0" in message
+    assert str(CompatClass(SHA_A, *invariant, "q4_0")).endswith("numerics invariant flash attention kv q4_0")
+    assert spans(build_route([offer("h", 0, 15, compat=(*invariant, "q8_0")),
+                              offer("t", 15, 30, compat=(*invariant, "q8_0"))])) == [(0, 15), (15, 30)]
+
+
 def test_a_worker_of_another_class_never_makes_the_route_incomplete_for_the_compatible_ones():
     gpu = ("llama.cpp@0c1e57098", "CUDA", "f32", "invariant")
     other_pin = ("llama.cpp@0c1e57098 patches=ffff", "CPU", "f32", "invariant")

@@ -20,8 +20,8 @@ def parsed(argv: list[str]) -> dict:
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", (0, 15)), None),
     (WorkerConfig("tcp://10.0.0.1:5555", "/models/m.gguf", (15, 30), n_ctx=512, max_sessions=3, kv_pool=4096, n_threads=1,
                   max_queue=4, data_bind="tcp://10.0.0.2:7000", cpu=1, heartbeat_interval=0.1,
-                  heartbeat_liveness=20, gpu=True, numerics="stock", flash_attn=True, trace="/tmp/stage-1.json",
-                  spin_ms=5.0),
+                  heartbeat_liveness=20, gpu=True, numerics="stock", flash_attn=True, kv_type="q8_0",
+                  trace="/tmp/stage-1.json", spin_ms=5.0),
      ("/k/w.key_secret", "/k/c.key")),
     (WorkerConfig("tcp://127.0.0.1:5555", "/models/m.gguf", None, mem=800 << 20, n_threads=2), None),
     # a default pool (that shrinks to --mem) is left to the worker's own default
@@ -34,10 +34,10 @@ def test_the_command_line_a_config_writes_parses_back_to_the_same_options(config
     assert (None if layers is None else LayerRange.as_tuple(layers)) == config.layers
     assert (params["coordinator"], params["model"], params["mem"], params["threads"], params["n_ctx"],
             params["max_sessions"], params["kv_pool"], params["data_bind"], params["cpu"], params["gpu"], params["numerics"],
-            params["flash_attn"], params["trace"], params["spin_ms"]) == \
+            params["flash_attn"], params["kv_type"], params["trace"], params["spin_ms"]) == \
         (config.coordinator, config.model_path, config.mem, config.n_threads, config.n_ctx, config.max_sessions,
          None if config.kv_pool_floor else config.kv_pool, config.data_bind, config.cpu, config.gpu, config.numerics,
-         config.flash_attn, config.trace, config.spin_ms)
+         config.flash_attn, config.kv_type, config.trace, config.spin_ms)
     # left out where they are the worker's defaults, so that the worker's own default stands
     assert (params["max_queue"] or config.max_queue, params["heartbeat_interval"] or config.heartbeat_interval,
             params["heartbeat_liveness"] or config.heartbeat_liveness) == \
