@@ -14,7 +14,8 @@ really gives, beside an oracle that drafts exactly the tokens that will be kept.
    same n-gram candidates, cut to what the model will draw. Each round's price is the one
    measured in 2. The oracle's speed-up bounds what any draft length policy can get from
    these candidates.
-    python tools/speculation_bound.py [--model smollm2] [--tokens 64] [--link-us 4000]
+   --prompts prose replays over text that does not repeat, where drafting must not cost.
+    python tools/speculation_bound.py [--model smollm2] [--tokens 64] [--link-us 4000] [--prompts prose]
 """
 
 import argparse
@@ -28,7 +29,7 @@ from meshnet.core.drafts import NGRAM_DRAFTS, NgramProposer
 from meshnet.engine import models
 from meshnet.engine.binding import Entry, Stage
 from meshnet.engine.gguf_layout import read_layout
-from meshnet.evidence.prompts import REPETITIVE
+from meshnet.evidence.prompts import PROMPT_SETS
 
 MAX_K = NGRAM_DRAFTS
 REPEATS = 9
@@ -114,11 +115,13 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--link-us", type=float, default=0.0, help="one-way link time a round crosses, summed")
+    parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="repetitive")
     args = parser.parse_args()
+    texts = PROMPT_SETS[args.prompts]
     path, _ = models.resolve(args.model)
     first, second = read_layout(path).balanced_ranges(2)
     with Stage(path, None, n_ctx=1024, max_sessions=1, n_threads=1) as whole:
-        prompts = [whole.tokenize(text) for text in REPETITIVE]
+        prompts = [whole.tokenize(text) for text in texts]
         outputs = [greedy(whole, p, args.tokens) for p in prompts]
     with Stage(path, (first.start, first.end), n_ctx=1024, max_sessions=1, n_threads=1) as head, \
             Stage(path, (second.start, second.end), n_ctx=1024, max_sessions=1, n_threads=1) as tail:
@@ -131,7 +134,7 @@ def main() -> int:
     totals = {"proposer": [0.0, 0, 0, 0], "oracle": [0.0, 0, 0, 0]}
     plain_total = 0.0
     print(f"{'prompt':<28} {'proposer':>16} {'oracle':>16}")
-    for text, prompt, tokens in zip(REPETITIVE, prompts, outputs):
+    for text, prompt, tokens in zip(texts, prompts, outputs):
         plain = price[0] * (len(tokens) - 1)
         plain_total += plain
         cells = []

@@ -37,6 +37,7 @@ KEPT_SLACK = 0.25  # the odds of a long match may be over the rate kept lately b
 ROW_COST = 0.3    # (c's start, until the rounds timed say otherwise)
 ROW_COST_RANGE = (0.02, 1.0)
 TIMED_DECAY = 0.95   # the weight of earlier rounds' times against the last one's
+SPREAD_MIN = 1.0     # the rounds' spread in drafts (variance x rounds' weight) that the slope is taken from
 KEPT_DECAY = 0.8  # the weight of what earlier rounds kept, against the last round's
 PROBE_EVERY = 8   # rounds of no drafts before one draft is tried again
 
@@ -90,7 +91,10 @@ class NgramProposer:
             return ROW_COST
         mean_k, mean_t = k / w, t / w
         var_k = kk / w - mean_k ** 2
-        if var_k < 0.25:   # (nearly) one length drafted: the slope is not known
+        # (nearly) one length drafted: the slope is not known. Prose drafts one or none, a
+        # round in a few drafting: spread enough to learn from, where the start's guess is
+        # what lets a drafted row cost more than it pays
+        if var_k * w < SPREAD_MIN:
             return ROW_COST
         slope = (kt / w - mean_k * mean_t) / var_k
         base = mean_t - slope * mean_k

@@ -136,3 +136,16 @@ def test_the_price_of_a_drafted_row_is_learnt_from_the_rounds_timed():
         fast.timed(k, 0.020 + 0.006 * k)
     assert fast.length < NgramProposer(max_drafts=8, kept_weight=3.5, refused_weight=1.0,
                                        _timed=proposer._timed).length
+
+
+def test_the_price_is_learnt_from_prose_s_rounds_of_one_draft_or_none():
+    # text that does not repeat drafts one token a round in a few: enough spread to see that
+    # a row costs 0.6 of a round here (loopback, one thread a stage), above the start's guess
+    from meshnet.core.drafts import ROW_COST
+
+    proposer = NgramProposer(max_drafts=8)
+    proposer.timed(1, 0.024)
+    assert proposer.row_cost == ROW_COST                  # one round: no spread yet
+    for k in (0, 0, 0, 1) * 5:
+        proposer.timed(k, 0.015 + 0.009 * k)
+    assert abs(proposer.row_cost - 0.6) < 0.01
