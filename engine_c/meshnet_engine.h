@@ -126,6 +126,11 @@ typedef struct {
     int32_t pool_cells;
     int32_t type_k;        /* a meshnet_kv_type (0: f16) */
     int32_t type_v;
+    /* 0..100: how long the compute threads poll for the next forward pass before they
+     * sleep (ggml's threadpool poll; llama.cpp's default is 50). 0: they sleep at once, and
+     * leave the cores to another stage on this machine; a stage with cores of its own polls,
+     * since waking a sleeping core costs the VMs measured up to milliseconds a token */
+    int32_t thread_poll;
 } meshnet_stage_params;
 
 typedef struct {

@@ -520,6 +520,10 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
                      p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads, p->pool_cells);
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
+    if (p->thread_poll < 0 || p->thread_poll > 100) {
+        err = format("thread_poll %d: 0 (sleep at once) to 100", p->thread_poll);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
     const ggml_type type_k = kv_ggml_type(p->type_k);
     const ggml_type type_v = kv_ggml_type(p->type_v);
     if (type_k == GGML_TYPE_COUNT || type_v == GGML_TYPE_COUNT) {
@@ -703,11 +707,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     if (!stage->placed_caches.empty()) {
         stage->block_owner.assign(llama_n_ctx(stage->ctx) / POOL_BLOCK, -1);
     }
-    // a thread pool of our own that sleeps between forward passes: with ggml's default
-    // (a pool per pass whose threads spin-poll) a stage's idle threads steal the cores
-    // that the next stage, in another process on the same machine, is computing on
+    // a thread pool of our own that, unless asked to poll, sleeps between forward passes:
+    // with ggml's default (a pool per pass whose threads spin-poll) a stage's idle threads
+    // steal the cores that the next stage, in another process on the same machine, computes on
     ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
-    tpp.poll = 0;
+    tpp.poll = (uint32_t) p->thread_poll;
     stage->pool = ggml_threadpool_new(&tpp);
     if (!stage->pool) {
         err = format("could not start %d compute threads", n_threads);

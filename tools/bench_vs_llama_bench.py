@@ -3,8 +3,10 @@
 tries llama.cpp next to meshnet sees these two numbers. meshnet runs the model in one
 process (a Stage of every layer, the given numerics class); llama-bench is the pristine
 pin's (`make llama-server` builds it), with flash attention off (the kernels meshnet's
-invariant class runs) and at its default (auto: on for a CPU). Same threads, a 128-token
-prompt and 32 decoded tokens, the three in turns, medians of ROUNDS.
+invariant class runs) and at its default (auto: on for a CPU), and meshnet with flash
+attention too: each beside its like. Same threads, a 128-token prompt and 32 tokens
+decoded from an empty context (llama-bench's pp128 and tg32), the four in turns, medians of
+ROUNDS.
     python tools/bench_vs_llama_bench.py MODEL[,MODEL...] [--rounds 3] [--threads 2]
 """
 
@@ -19,23 +21,29 @@ import time
 import numpy as np
 
 from meshnet.engine.binding import Entry, Stage
+from meshnet.stage.config import THREAD_POLL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_BENCH = os.path.join(ROOT, "build", "llama-server", "bin", "llama-bench")
 N_PROMPT, N_GEN = 128, 32
 
 
-def meshnet_once(path: str, threads: int, numerics: str) -> tuple[float, float]:
-    with Stage(path, None, n_ctx=512, max_sessions=1, n_threads=threads, numerics=numerics) as stage:
+def meshnet_once(path: str, threads: int, numerics: str, flash_attn: bool = False) -> tuple[float, float]:
+    # (its threads poll for the next pass as llama-bench's do: nothing else computes here)
+    with Stage(path, None, n_ctx=512, max_sessions=1, n_threads=threads, numerics=numerics,
+               flash_attn=flash_attn, thread_poll=THREAD_POLL) as stage:
         stage.open_session(0)
         prompt = np.arange(1000, 1000 + N_PROMPT, dtype=np.int32)
         start = time.perf_counter()
-        out = stage.forward([Entry(0, 0, tokens=prompt)])
+        stage.forward([Entry(0, 0, tokens=prompt)])
         prefill = N_PROMPT / (time.perf_counter() - start)
-        token = int(out.token[0])
+        stage.release_session(0)
+        # (as llama-bench's tg: from an empty context)
+        stage.open_session(1)
+        token = 1000
         start = time.perf_counter()
         for i in range(N_GEN):
-            out = stage.forward([Entry(0, N_PROMPT + i, tokens=np.asarray([token], dtype=np.int32))])
+            out = stage.forward([Entry(1, i, tokens=np.asarray([token], dtype=np.int32))])
             token = int(out.token[0])
         return prefill, N_GEN / (time.perf_counter() - start)
 
@@ -61,10 +69,12 @@ def main() -> int:
         print(f"{LLAMA_BENCH} is missing: run `make llama-server`", file=sys.stderr)
         return 2
     for path in args.models.split(","):
-        runs = {f"meshnet {args.numerics}": [], "llama-bench -fa off": [], "llama-bench -fa auto": []}
+        ours, ours_fa = f"meshnet {args.numerics}", f"meshnet {args.numerics} -fa"
+        runs = {ours: [], "llama-bench -fa off": [], ours_fa: [], "llama-bench -fa auto": []}
         for _ in range(args.rounds):
-            runs[f"meshnet {args.numerics}"].append(meshnet_once(path, args.threads, args.numerics))
+            runs[ours].append(meshnet_once(path, args.threads, args.numerics))
             runs["llama-bench -fa off"].append(llama_bench_once(path, args.threads, "off"))
+            runs[ours_fa].append(meshnet_once(path, args.threads, args.numerics, flash_attn=True))
             runs["llama-bench -fa auto"].append(llama_bench_once(path, args.threads, "auto"))
         medians = {name: (statistics.median(p for p, _ in r), statistics.median(d for _, d in r))
                    for name, r in runs.items()}
@@ -72,9 +82,10 @@ def main() -> int:
               f"pp{N_PROMPT} / tg{N_GEN} tok/s")
         for name, (prefill, decode) in medians.items():
             print(f"  {name:22s} pp{N_PROMPT} {prefill:7.1f}  tg{N_GEN} {decode:6.1f}")
-        ours = medians[f"meshnet {args.numerics}"]
-        for name in ("llama-bench -fa off", "llama-bench -fa auto"):
-            print(f"  meshnet / {name}: prefill {ours[0] / medians[name][0]:.3f}, decode {ours[1] / medians[name][1]:.3f}")
+        for mine, theirs in ((ours, "llama-bench -fa off"), (ours, "llama-bench -fa auto"),
+                             (ours_fa, "llama-bench -fa auto")):
+            print(f"  {mine} / {theirs}: prefill {medians[mine][0] / medians[theirs][0]:.3f}, "
+                  f"decode {medians[mine][1] / medians[theirs][1]:.3f}")
         sys.stdout.flush()
     return 0
 

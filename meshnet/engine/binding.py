@@ -257,11 +257,13 @@ class Stage:
         progress: Callable[[float], None] | None = None,
         pool_cells: int = 0,
         kv_type: str = kv_cache.DEFAULT,
+        thread_poll: int = 0,
     ):
         """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1).
         POOL_CELLS: one KV pool of that many cells that the sessions share, each up to n_ctx
         (meshnet_engine.h); 0: a KV stream of n_ctx cells per session. KV_TYPE: the cache's
-        element types (core/kv_cache.py)."""
+        element types (core/kv_cache.py). THREAD_POLL: 0..100, the compute threads' polling for
+        the next forward pass before they sleep (meshnet_engine.h): for a stage with cores of its own."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -283,6 +285,7 @@ class Stage:
                 "pool_cells": pool_cells,
                 "type_k": kv_cache.codes(kv_type)[0],
                 "type_v": kv_cache.codes(kv_type)[1],
+                "thread_poll": thread_poll,
             },
         )
         if progress is not None:

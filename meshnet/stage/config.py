@@ -16,6 +16,7 @@ from meshnet.net.security import KeyPair
 MAX_QUEUE = 16                      # steps waiting on the stage before "busy": at least this, and two per session
 DATA_BIND = "tcp://127.0.0.1:0"     # the data endpoint: loopback unless told otherwise
 SPIN_MS = 50.0                      # how long a stage with cores of its own polls for its next input (see spin_ms_for)
+THREAD_POLL = 50                    # ... and its compute threads for the next forward pass (llama.cpp's default)
 
 
 def spin_ms_for(n_threads: int, n_cpus: int) -> float:
@@ -75,6 +76,11 @@ class WorkerConfig:
     def spin_ms_on(self, n_cpus: int) -> float:
         """The polling this worker does for its next input, on N_CPUS CPUs."""
         return self.spin_ms if self.spin_ms is not None else spin_ms_for(self.n_threads or n_cpus, n_cpus)
+
+    def thread_poll_on(self, n_cpus: int) -> int:
+        """Its compute threads' polling for the next forward pass: where the worker polls for
+        its input, on cores no stage beside it computes on, its threads poll too."""
+        return THREAD_POLL if self.spin_ms_on(n_cpus) > 0 else 0
 
     @property
     def numerics_class(self) -> str:

@@ -158,7 +158,8 @@ class StageWorker:
         stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
                       n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
                       numerics=config.numerics_class, flash_attn=config.flash_attn, progress=progress,
-                      pool_cells=self._pool_for(layers), kv_type=config.kv_type)
+                      pool_cells=self._pool_for(layers), kv_type=config.kv_type,
+                      thread_poll=config.thread_poll_on(len(os.sched_getaffinity(0))))
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "

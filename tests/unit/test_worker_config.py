@@ -62,3 +62,11 @@ def test_a_spin_given_is_kept_and_threads_0_means_every_cpu():
     assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1).spin_ms_on(2) == SPIN_MS
     assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1, spin_ms=0.0).spin_ms_on(2) == 0.0
     assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), spin_ms=7.5).spin_ms_on(64) == 7.5
+
+
+def test_a_stage_s_threads_poll_for_the_next_pass_where_it_polls_for_its_input():
+    from meshnet.stage.config import THREAD_POLL
+
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15)).thread_poll_on(2) == 0   # every CPU: sleep
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1).thread_poll_on(2) == THREAD_POLL
+    assert WorkerConfig("tcp://127.0.0.1:5555", "/m.gguf", (0, 15), n_threads=1, spin_ms=0.0).thread_poll_on(2) == 0
