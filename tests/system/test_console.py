@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 
 from conftest import THREADS, serving, stop_group, track
 
@@ -61,7 +62,10 @@ def browser():
 def until(driver, what, check):
     deadline = time.monotonic() + WAIT_S
     while True:
-        found = check()
+        try:
+            found = check()
+        except StaleElementReferenceException:   # (the page redrew an element between its find and its read)
+            found = None
         if found:
             return found
         assert time.monotonic() < deadline, f"the page never showed {what}: {driver.find_element('tag name', 'body').text}"
@@ -111,8 +115,9 @@ def test_the_console_shows_the_route_streams_a_chat_and_shows_a_resume(smollm2_p
             rest = list(chunks)   # it goes on, resumed on the spare, to its end
             assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] in (
                 ["stop"], ["length"])
-            failover = until(browser, "the resume", lambda: browser.find_elements("css selector", ".failover"))
-            assert "[15,30)" in failover[0].text and "resumed in" in failover[0].text
+            failover = until(browser, "the resume", lambda: [e.text for e in browser.find_elements("css selector",
+                                                                                                   ".failover")])
+            assert "[15,30)" in failover[0] and "resumed in" in failover[0]
             assert browser.find_element("id", "resumes").text == "1"
             shot(browser, "console-resume")
     finally:
