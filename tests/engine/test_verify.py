@@ -27,8 +27,8 @@ def model(stem: str) -> str:
 class Route:
     """A head and a tail stage of one model, in this process."""
 
-    def __init__(self, path, ranges=((0, 2), (2, 4))):
-        self.stages = [Stage(path, r, n_ctx=256, max_sessions=2, n_threads=THREADS) for r in ranges]
+    def __init__(self, path, ranges=((0, 2), (2, 4)), **options):
+        self.stages = [Stage(path, r, n_ctx=256, max_sessions=2, n_threads=THREADS, **options) for r in ranges]
 
     def __enter__(self):
         return self
@@ -83,10 +83,15 @@ def with_drafts(route, sid, prompt, want, sampling=None, k=4, wrong_every=3):
     return tokens[:N_NEW], kept
 
 
+# (flash attention's rows and a quantized cache's cells are each their own too: 0016, 0015)
+ATTENTION = {"plain": {}, "flash q8_0": {"flash_attn": True, "kv_type": "q8_0"}}
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("stem", ["llama-dense", "gemma3-dense", "qwen3moe-moe"])
-def test_drafts_give_the_tokens_of_decoding_one_at_a_time(stem, sampling):
-    with Route(model(stem)) as route:
+def test_drafts_give_the_tokens_of_decoding_one_at_a_time(stem, sampling, attention):
+    with Route(model(stem), **ATTENTION[attention]) as route:
         prompt = list(range(3, 40))
         want = one_by_one(route, 1, prompt, sampling)
         for stage in route.stages:
