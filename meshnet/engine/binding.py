@@ -283,8 +283,7 @@ class Stage:
                 "gpu": gpu,
                 "numerics": numerics_classes.code(numerics or numerics_classes.default_for(gpu)),
                 "pool_cells": pool_cells,
-                "type_k": kv_cache.codes(kv_type)[0],
-                "type_v": kv_cache.codes(kv_type)[1],
+                **dict(zip(("type_k", "type_v"), kv_cache.codes(kv_type))),
                 "thread_poll": thread_poll,
             },
         )
