@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -256,7 +257,7 @@ def inspect(model, as_json):
     except MeshnetError as e:   # no engine built: the file's own facts are still worth showing
         split_status, split_reason = "unknown", e.message
     info = dict(vars(layout), sha256=sha256, splits=split_status == "splits", split_support=split_status,
-                split_reason=split_reason)
+                split_reason=split_reason, files=[dataclasses.asdict(f) for f in layout.files])
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -271,7 +272,11 @@ def inspect(model, as_json):
     click.echo(f"n_embd      {layout.n_embd}")
     click.echo(f"vocab       {layout.n_vocab}")
     click.echo(f"quant types {', '.join(f'{k} x{v}' for k, v in layout.quant_types.items())}")
-    click.echo(f"size        {layout.file_bytes / mib:.1f} MiB")
+    click.echo(f"size        {layout.file_bytes / mib:.1f} MiB"
+               + (f" in {len(layout.files)} files (gguf-split)" if len(layout.files) > 1 else ""))
+    if len(layout.files) > 1:
+        for i, f in enumerate(layout.files):
+            click.echo(f"file {i + 1:<6} {f.file_bytes / mib:.2f} MiB  {Path(f.path).name}: {f.describe()}")
     click.echo(f"embeddings  {layout.input_bytes / mib:.2f} MiB (head)")
     click.echo(f"output      {layout.output_bytes / mib:.2f} MiB (tail)"
                + ("; tied: the tail also holds token_embd" if layout.tied_embeddings else ""))

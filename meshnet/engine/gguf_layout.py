@@ -1,5 +1,6 @@
-"""What a GGUF file holds, read with the gguf package: architecture, sizes, quant
-types and bytes per layer. The route planner sizes stages from these numbers."""
+"""What a GGUF model holds, read with the gguf package: architecture, sizes, quant types
+and bytes per layer, over every file of a model written as splits (gguf_splits.py). The
+route planner sizes stages from these numbers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import gguf
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import LayerRange, balanced_ranges
+from meshnet.engine.gguf_splits import SPLIT_NAME, SplitFile, named_splits, split_name
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _INPUT_TENSORS = ("token_embd.", "token_types.", "position_embd.")
@@ -67,6 +69,7 @@ class ModelLayout:
     n_ff: int = 0
     kv_bytes_per_cell: int = 0  # one layer's K and V of one token at f16, the engine's cache type
     n_ctx_train: int = 0        # the context it was trained on (0: the file does not say)
+    files: list[SplitFile] = field(default_factory=list)   # the model's files: one, or its splits in order
 
     def balanced_ranges(self, n_stages: int) -> list[LayerRange]:
         """n_stages ranges with as even a share of the per-token work as whole layers allow
@@ -130,22 +133,24 @@ def _has_gguf_magic(path: str | Path) -> bool:
 def read_layout(path: str | Path) -> ModelLayout:
     """The layout of the GGUF at PATH. Read once per process while the file's size, mtime
     and ctime hold: the gguf package takes seconds over a large vocabulary, and resolving a
-    model reads it to check it is GGUF just before its caller wants the layout."""
+    model reads it to check it is GGUF just before its caller wants the layout. (Every
+    split's stat is in the key: a split copied again is read again.)"""
     try:
-        st = os.stat(path)
-    except OSError:
+        identity = tuple((st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                         for st in map(os.stat, named_splits(Path(path))))
+    except (OSError, MeshnetError):
         return _read_layout(str(path))  # says why, in the same words as any unreadable file
-    return copy.deepcopy(_read_layout_once(str(path), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    return copy.deepcopy(_read_layout_once(str(path), identity))
 
 
 @functools.lru_cache(maxsize=8)
-def _read_layout_once(path: str, identity: tuple[int, int, int]) -> ModelLayout:
+def _read_layout_once(path: str, identity: tuple) -> ModelLayout:
     return _read_layout(path)
 
 
-def _read_layout(path: str) -> ModelLayout:
+def _open(path: str) -> gguf.GGUFReader:
     try:
-        reader = _CheckedReader(path)
+        return _CheckedReader(path)
     except _Truncated as t:
         raise MeshnetError(
             errors.TRUNCATED_GGUF,
@@ -162,6 +167,43 @@ def _read_layout(path: str) -> ModelLayout:
             f"'{path}' starts like a GGUF file but its header cannot be read ({e}): it is "
             "truncated or corrupt; copy or download it again",
         ) from e
+
+
+def _split_readers(path: str, reader: gguf.GGUFReader) -> list[tuple[str, gguf.GGUFReader]]:
+    """The model's files and their readers: [PATH] alone, or every split from the first, each
+    checked to be the split its name says (the engine's checks, said before it loads)."""
+    count = int(_scalar(_field(reader, "split.count")) or 1)
+    if count < 2:
+        return [(path, reader)]
+    m = SPLIT_NAME.match(Path(path).name)
+    if _field(reader, "split.no") != 0 or not m or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise MeshnetError(errors.NOT_GGUF, f"'{path}' is a split of a model of {count} files but not its first "
+                           f"one named as llama.cpp names splits (NAME-00001-of-{count:05d}.gguf): give that one")
+    files = [(path, reader)]
+    for i in range(1, count):
+        split = str(Path(path).with_name(split_name(m["prefix"], i, count)))
+        if not os.path.isfile(split):
+            raise MeshnetError(errors.MODEL_NOT_FOUND, f"'{path}' is split 1 of {count} and split {i + 1}, "
+                               f"'{split}', is not beside it; put every split in one folder")
+        other = _open(split)
+        if _field(other, "split.no") != i or int(_scalar(_field(other, "split.count")) or 1) != count:
+            raise MeshnetError(errors.NOT_GGUF, f"'{split}' does not say it is split {i + 1} of {count}: "
+                               "the files are of different models or were renamed")
+        files.append((split, other))
+    return files
+
+
+def _split_file(path: str, reader: gguf.GGUFReader) -> SplitFile:
+    layers = [r for r in (tensor_role(t.name) for t in reader.tensors) if isinstance(r, int)]
+    roles = {r for r in (tensor_role(t.name) for t in reader.tensors) if not isinstance(r, int)}
+    return SplitFile(path=path, file_bytes=os.path.getsize(path), tensors=len(reader.tensors),
+                     layers=(min(layers), max(layers) + 1) if layers else None,
+                     roles=tuple(r for r in ("input", "output", "shared") if r in roles))
+
+
+def _read_layout(path: str) -> ModelLayout:
+    reader = _open(path)
+    files = _split_readers(path, reader)
     arch = _field(reader, "general.architecture")
     n_layer = _field(reader, f"{arch}.block_count")
     if not arch or n_layer is None:
@@ -175,7 +217,7 @@ def _read_layout(path: str) -> ModelLayout:
     output_weights = token_embd_weights = 0
     has_output = False
     quant = Counter()
-    for t in reader.tensors:
+    for t in (t for _, r in files for t in r.tensors):
         n = int(t.n_bytes)
         quant[t.tensor_type.name] += 1
         role = tensor_role(t.name)
@@ -207,7 +249,7 @@ def _read_layout(path: str) -> ModelLayout:
         n_layer=int(n_layer),
         n_embd=n_embd,
         n_vocab=int(n_vocab),
-        file_bytes=Path(path).stat().st_size,
+        file_bytes=sum(os.path.getsize(p) for p, _ in files),
         layer_bytes=layer_bytes,
         input_bytes=input_bytes,
         output_bytes=output_bytes,
@@ -221,6 +263,7 @@ def _read_layout(path: str) -> ModelLayout:
         n_ff=int(_scalar(_field(reader, f"{arch}.feed_forward_length")) or 0),
         kv_bytes_per_cell=2 * int(n_head_kv) * (int(key_dim) + int(value_dim)),
         n_ctx_train=int(_scalar(_field(reader, f"{arch}.context_length")) or 0),
+        files=[_split_file(p, r) for p, r in files],
     )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.home import meshnet_home
+from meshnet.engine.gguf_splits import model_identity, named_splits
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,10 @@ def hashes_dir() -> Path:
     return meshnet_home() / "hashes"
 
 
-def _cache_entry(path: Path) -> Path:
+def _cache_entry(path: Path, kind: str = "") -> Path:
     # under MESHNET_HOME, keyed by the resolved path: meshnet never writes beside a file
     # it was only given to read
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+    key = hashlib.sha256((kind + str(path.resolve())).encode()).hexdigest()
     return hashes_dir() / f"{key}.json"
 
 
@@ -116,14 +117,17 @@ def _cached_sha256(path: Path) -> str | None:
 
 
 def _remember(path: Path, sha: str, st: os.stat_result) -> None:
-    entry = _cache_entry(path)
+    _write_entry(_cache_entry(path), {"path": str(path.resolve()), **_identity(st), "sha256": sha})
+
+
+def _write_entry(entry: Path, body: dict) -> None:
     tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         # written whole, then renamed: worker processes may look it up at the same time
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.stem, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"path": str(path.resolve()), **_identity(st), "sha256": sha}, f)
+            json.dump(body, f)
         os.replace(tmp, entry)
     except OSError:
         # an unwritable MESHNET_HOME still works, only slower
@@ -147,6 +151,30 @@ def verified_sha256(path: Path) -> str:
     sha, st = _hash(path)
     if st is not None:
         _remember(path, sha, st)
+    return sha
+
+
+def _split_files_identity(files: list[Path]) -> list:
+    return [[str(f.resolve()), _identity(f.stat())] for f in files]
+
+
+def _cached_split_identity(files: list[Path]) -> str | None:
+    """The identity of a split model remembered under its first file while every split's
+    size, mtime and ctime hold (and only once the first had read as a split model's)."""
+    try:
+        entry = json.loads(_cache_entry(files[0], "splits:").read_text())
+        if entry["files"] == _split_files_identity(files):
+            return entry["sha256"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _split_identity(files: list[Path]) -> str:
+    before = _split_files_identity(files)
+    sha = model_identity([verified_sha256(f) for f in files])
+    if _split_files_identity(files) == before:
+        _write_entry(_cache_entry(files[0], "splits:"), {"files": before, "sha256": sha})
     return sha
 
 
@@ -230,15 +258,22 @@ def resolve(model: str | None) -> tuple[Path, str]:
     path = Path(model).expanduser()
     if not path.is_file():
         raise MeshnetError(errors.MODEL_NOT_FOUND, f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
+    # a split model is given by any of its files and runs from the first, as llama.cpp loads it
+    named = named_splits(path)
+    path = named[0]
     # a file is only ever remembered after it parsed as GGUF, so a remembered one needs no
     # second parse (seconds with the gguf package; every worker of a route resolves it)
-    if (sha := _cached_sha256(path)) is not None:
+    if len(named) > 1 and (sha := _cached_split_identity(named)) is not None:
+        return path, sha
+    if len(named) == 1 and (sha := _cached_sha256(path)) is not None:
         return path, sha
     # imported here, not at the top: gguf pulls in numpy, which `meshnet --help` need not wait for
     from meshnet.engine.gguf_layout import read_layout
 
     # before hashing: a file that is not GGUF is neither read whole nor remembered
-    read_layout(path)
+    files = [Path(f.path) for f in read_layout(path).files]
+    if len(files) > 1:
+        return path, _split_identity(files)
     return path, verified_sha256(path)
 
 
