@@ -89,7 +89,7 @@ def join_mesh(token_text: str | None, coordinator: str | None, discover: bool, m
     offered = wait_for_holders(coordinator, offered, ask, holder_wait, echo)
     manifest = offered.manifest
     fetch = Fetch(manifest, offered.holders, keys, coordinator, refresh=lambda: ask().holders)
-    fetch.run([manifest.header])
+    fetch.run(manifest.headers())   # the model's metadata and tensor infos: every split's, as the engine reads them
     echo(f"meshnet worker: model {manifest.filename} ({manifest.sha256[:12]}) from the mesh, {len(offered.holders)} "
          f"holder(s): only the bytes of the layers the coordinator assigns are fetched, into {fetch.path}")
     return Joined(coordinator, keys, coordinator_key, fetch, None, (fetch.path, manifest.sha256))

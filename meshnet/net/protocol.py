@@ -33,7 +33,7 @@ from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError
                                 curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
                                 top_logprobs, u64)
 
-VERSION = 15  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 16  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
@@ -45,7 +45,8 @@ VERSION = 15  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device
               # 11: OPEN's grammar in its payload frame (bounded apart from the header);
               #     the manifest's per-tensor hashes vouched for by the coordinator;
               # 12: the head's micro-batches (groups) in OPEN; 13: flash attention in READY;
-              # 14: flash attention in the invariant class too; 15: the KV cache's types in READY
+              # 14: flash attention in the invariant class too; 15: the KV cache's types in READY;
+              # 16: a model of several files (gguf-split): the manifest's splits, FETCH over their concatenation
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability

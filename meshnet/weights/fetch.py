@@ -3,7 +3,8 @@
 The file is stored as a sparse file with the original's layout under
 $MESHNET_HOME/models/mesh/SHA256/: the spans fetched are byte-identical to the original
 and the rest are holes, so the engine maps it as it would the whole file and disk use is
-about the stage's share. Each span (the header, a tensor) is checked against the sha256 of
+about the stage's share. A model of several files (gguf-split) is stored as its files,
+side by side, each sparse, each with its header (the engine opens every split). Each span (the header, a tensor) is checked against the sha256 of
 the manifest the coordinator vouches for (never a holder's: weights/manifest.py) as its
 last byte arrives; a span that fails, or a holder that goes silent, sends the rest of the
 fetch to the next holder. What is checked is written down beside the file after each span,
@@ -21,10 +22,12 @@ WINDOW x CHUNK however large the model.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -95,7 +98,9 @@ class Fetch:
         self.refresh = refresh          # who holds the bytes now (the coordinator's HOLDERS), before each run
         self.keys = keys
         self.silence_s = silence_s
-        self.path = Path(path or store_path(manifest))
+        self.path = Path(path or store_path(manifest))   # the first file: the one the engine is given
+        self.files = [(self.path if i == 0 else self.path.with_name(name), start, size)
+                      for i, (name, start, size) in enumerate(manifest.files())]
         self.state_path = self.path.with_name(self.path.name + STATE_SUFFIX)
         self.have = self._prepare()
         self._saved_at = 0.0
@@ -118,20 +123,21 @@ class Fetch:
         have: set[str] = set()
         try:
             state = json.loads(self.state_path.read_text())
-            if state.get("sha256") == self.manifest.sha256 and self.path.stat().st_size == self.manifest.file_bytes \
-                    and isinstance(state.get("have"), dict):
+            if state.get("sha256") == self.manifest.sha256 and isinstance(state.get("have"), dict) \
+                    and all(path.stat().st_size == size for path, _, size in self.files):
                 have = {name for name, checked in state["have"].items() if spans.get(name) == checked}
         except (OSError, ValueError, AttributeError):
             pass   # nothing fetched yet, or a state this version cannot read: fetch again
         if not have:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    os.ftruncate(fd, 0)   # holes, not stale bytes of another attempt
-                    os.ftruncate(fd, self.manifest.file_bytes)
-                finally:
-                    os.close(fd)
+                for path, _, size in self.files:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                    try:
+                        os.ftruncate(fd, 0)   # holes, not stale bytes of another attempt
+                        os.ftruncate(fd, size)
+                    finally:
+                        os.close(fd)
             except OSError as e:
                 self._forget_all()
                 raise MeshnetError(E.FETCH_FAILED, f"cannot make the model's file at {self.path}: {e.strerror}") \
@@ -153,8 +159,19 @@ class Fetch:
         return [s for s in spans if s.name not in self.have]
 
     def disk_bytes(self) -> int:
-        """What the sparse file takes on disk: its blocks, not its length."""
-        return self.path.stat().st_blocks * 512
+        """What the sparse file(s) take on disk: their blocks, not their length."""
+        return sum(path.stat().st_blocks * 512 for path, _, _ in self.files)
+
+    def _open(self) -> list[tuple[int, int, int]]:
+        """(fd, first byte, bytes) of each file, open for writing."""
+        opened = []
+        try:
+            for path, start, size in self.files:
+                opened.append((os.open(path, os.O_WRONLY), start, size))
+        except OSError:
+            _close(opened)
+            raise
+        return opened
 
     # the fetch
 
@@ -235,19 +252,23 @@ class Fetch:
         try:
             if not self.have:
                 raise OSError("nothing checked is left")
-            fd = os.open(self.path, os.O_WRONLY)
+            opened = self._open()
             try:
                 for start, end in _runs(self.manifest, undone):
-                    _punch_hole(fd, start, end - start)
+                    for fd, first, size in opened:   # a run may go on from one split into the next
+                        lo, hi = max(start, first), min(end, first + size)
+                        if hi > lo:
+                            _punch_hole(fd, lo - first, hi - lo)
             finally:
-                os.close(fd)
+                _close(opened)
             self._save_state()
         except OSError:
             self._forget_all()
 
     def _forget_all(self) -> None:
         self.have = set()
-        for path in (self.path, self.state_path, self.state_path.with_name(self.state_path.name + ".tmp")):
+        for path in (*(path for path, _, _ in self.files), self.state_path,
+                     self.state_path.with_name(self.state_path.name + ".tmp")):
             with contextlib.suppress(OSError):
                 path.unlink()
 
@@ -255,13 +276,15 @@ class Fetch:
         """Every span of SPANS from one holder; HolderFailed at its first failure (what was
         checked before it stays); OSError when the disk refuses a write."""
         digests: dict[str, hashlib._Hash] = {}
-        fd = os.open(self.path, os.O_WRONLY)
+        opened = self._open()
+        ends = list(itertools.accumulate(size for _, _, size in opened))
         try:
             with contextlib.closing(stream(holder, self.keys, ((s, s.offset, s.size) for s in spans),
                                            self.silence_s)) as chunks:
                 for span, offset, data in chunks:
-                    if len(data):
-                        os.pwrite(fd, data, offset)
+                    if len(data):   # a piece lies in one span, and a span in one file (Manifest.check)
+                        fd, first, _ = opened[bisect.bisect_right(ends, offset)]
+                        os.pwrite(fd, data, offset - first)
                     digest = digests.setdefault(span.name, hashlib.sha256())
                     digest.update(data)
                     self.fetched_bytes += len(data)
@@ -269,7 +292,7 @@ class Fetch:
                     if offset + len(data) == span.offset + span.size:
                         self._checked(span, digests.pop(span.name))
         finally:
-            os.close(fd)
+            _close(opened)
             if self._unsaved:
                 self._save_state()
 
@@ -293,6 +316,11 @@ def _runs(manifest: Manifest, names: set[str]) -> list[tuple[int, int]]:
             runs.append(run)
             run = None
     return runs + ([run] if run else [])
+
+
+def _close(opened: list[tuple[int, int, int]]) -> None:
+    for fd, _, _ in opened:
+        os.close(fd)
 
 
 _fallocate = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)

@@ -1,4 +1,4 @@
-"""A holder: serves one model file's bytes to the mesh's workers, on a socket of its own
+"""A holder: serves one model's bytes to the mesh's workers, on a socket of its own
 and a thread of its own, so that a fetch never waits behind a session's tokens, nor they
 behind it. With keys the socket is a CURVE server behind the same rule as the
 coordinator's (its allow-list and the join key): only the mesh's members fetch.
@@ -8,7 +8,8 @@ hashing the whole file (weights/vouch.py); a fetcher checks every span against t
 manifest the coordinator vouches for. A member may still be hostile (a token is a bearer
 credential), so what one peer can make the holder hold is bounded (PEER_QUEUE answers),
 no request can end the thread, and a HEARTBEAT is answered so that the coordinator can
-stop listing a holder that no longer answers.
+stop listing a holder that no longer answers. A model of several files (gguf-split) is
+served as their concatenation, in order (weights/manifest.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Holder:
         self.sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)   # before bind: each peer's pipe takes it
         if keys is not None:
             security.serve(self.sock, keys)
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fds = [(os.open(self.path.with_name(name), os.O_RDONLY), start, size)
+                     for name, start, size in self.manifest.files()]
         try:
             self.sock.bind(bind)
         except zmq.ZMQError as e:
@@ -116,10 +118,19 @@ class Holder:
         if offset + length > self.manifest.file_bytes:
             raise P.ProtocolError(E.BAD_FIELD, f"bytes [{offset}, {offset + length}) are past the end of the "
                                   f"{self.manifest.file_bytes}-byte file", msg.rid)
-        data = os.pread(self.fd, length, offset)
+        data = self._read(offset, length)
         self.counters["fetches"] += 1
         self.counters["bytes"] += len(data)
         return P.encode(P.OK, msg.rid, data, offset=offset)
+
+    def _read(self, offset: int, length: int) -> bytes:
+        """LENGTH bytes at OFFSET of the model's files, read across a split's end as one run."""
+        pieces = []
+        for fd, start, size in self.fds:
+            lo, hi = max(offset, start), min(offset + length, start + size)
+            if hi > lo:
+                pieces.append(os.pread(fd, hi - lo, lo - start))
+        return b"".join(pieces) if len(pieces) != 1 else pieces[0]
 
     def close(self) -> None:
         if hasattr(self, "_thread"):
@@ -129,7 +140,8 @@ class Holder:
         if self.gatekeeper is not None:
             self.gatekeeper.stop()
         self.ctx.term()
-        os.close(self.fd)
+        for fd, _, _ in getattr(self, "fds", ()):
+            os.close(fd)
 
     def __enter__(self):
         return self

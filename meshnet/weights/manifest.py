@@ -1,6 +1,11 @@
 """What a worker fetching part of a model file trusts each byte by: the file's sha256 and
 size, the header's place and hash, and each tensor's place, size and sha256.
 
+A model of several files (gguf-split) is described as their concatenation, in order: one
+run of bytes whose spans each lie in one file, each file's header a span of its own (every
+stage fetches every header: the engine opens every split), and the files' lengths, so that
+a fetcher writes each span into its own file and a holder reads it from its own.
+
 Only a coordinator vouches for a manifest, never a holder: it computes one from a file
 whose sha256 it checked (its own --model, or a holder's bytes streamed once and hashed
 whole, weights/vouch.py), and a worker takes it from the coordinator it authenticated with
@@ -12,8 +17,10 @@ published anew.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import os
 import struct
 import tempfile
@@ -27,6 +34,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.home import meshnet_home
 from meshnet.core.layers import LayerRange
 from meshnet.engine.gguf_layout import stage_holds, tensor_role
+from meshnet.engine.gguf_splits import SPLIT_NAME, split_name
 
 HEADER = "<header>"          # the span of the GGUF header: metadata and tensor infos
 MAX_TENSORS = 1 << 17
@@ -40,6 +48,7 @@ MAX_FILE_BYTES = 1 << 42
 MAX_HEADER_BYTES = 64 << 20
 MAX_NAME = 512               # a tensor's name (GGUF's own limit is 64)
 MAX_WIRE_BYTES = 32 << 20    # a manifest of MAX_TENSORS spans fits
+MAX_SPLITS = 9999            # a model's files (gguf-split numbers them in 5 digits; the largest models take tens)
 
 
 @dataclass(frozen=True)
@@ -59,19 +68,35 @@ class Manifest:
     n_layer: int
     tied_embeddings: bool
     header: Span
-    tensors: tuple[Span, ...]
+    tensors: tuple[Span, ...]   # for a model of several files, the headers of the second and later too
+    splits: tuple[int, ...] = ()   # each file's bytes, in order, for a model of several files (gguf-split)
 
     def spans_for(self, layers: LayerRange) -> list[Span]:
-        """The header and the tensors the stage LAYERS loads: its own layers, and the head's
+        """The headers and the tensors the stage LAYERS loads: its own layers, and the head's
         or tail's extra tensors (the engine's rule, engine/gguf_layout.stage_holds)."""
         return [self.header] + [t for t in self.tensors
-                                if stage_holds(tensor_role(t.name), t.name, layers.start, layers.end, self.n_layer,
+                                if is_header(t.name)
+                                or stage_holds(tensor_role(t.name), t.name, layers.start, layers.end, self.n_layer,
                                                self.tied_embeddings)]
+
+    def headers(self) -> list[Span]:
+        """Each file's header: the first file's, then each later split's."""
+        return [self.header] + [t for t in self.tensors if is_header(t.name)]
+
+    def files(self) -> list[tuple[str, int, int]]:
+        """(name, first byte in the concatenation, bytes) of each of the model's files."""
+        if not self.splits:
+            return [(self.filename, 0, self.file_bytes)]
+        prefix = SPLIT_NAME.match(self.filename)["prefix"]
+        starts = itertools.accumulate(self.splits, initial=0)
+        return [(split_name(prefix, i, len(self.splits)), start, size)
+                for i, (start, size) in enumerate(zip(starts, self.splits))]
 
     def to_wire(self) -> bytes:
         body = asdict(self)
         body["tensors"] = [[t.name, t.offset, t.size, t.sha256] for t in self.tensors]
         body["header"] = [self.header.name, self.header.offset, self.header.size, self.header.sha256]
+        body["splits"] = list(self.splits)
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
@@ -83,10 +108,13 @@ class Manifest:
             tensors = body["tensors"]
             if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
                 raise ValueError("tensors")
+            splits = body.get("splits", [])
+            if not isinstance(splits, list) or len(splits) > MAX_SPLITS:
+                raise ValueError("splits")
             manifest = cls(sha256=_hex(body["sha256"]), file_bytes=_count(body["file_bytes"]),
                            filename=_text(body["filename"]), n_layer=_count(body["n_layer"]),
                            tied_embeddings=bool(body["tied_embeddings"]), header=_span(body["header"]),
-                           tensors=tuple(_span(t) for t in tensors))
+                           tensors=tuple(_span(t) for t in tensors), splits=tuple(_count(n) for n in splits))
         except (ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData, msgpack.FormatError,
                 msgpack.StackError):
             raise MeshnetError(E.FETCH_FAILED, "a manifest this version of meshnet cannot read") from None
@@ -113,6 +141,9 @@ class Manifest:
                           "header")
         if len(self.tensors) > MAX_TENSORS:
             raise refused(f"{len(self.tensors)} tensors are over the bound of {MAX_TENSORS}")
+        files = self._checked_files(refused)
+        headers = {f"<header {i + 1}>": start for i, (_, start, _) in enumerate(files) if i}
+        ends = [start + size for _, start, size in files]
         end, names = 0, set()
         for span in (self.header, *self.tensors):
             # printed in a failure's reason: plain printable text only
@@ -126,6 +157,33 @@ class Manifest:
             if span.name in names:
                 raise refused(f"{span.name!r} is named twice")
             names.add(span.name)
+            if is_header(span.name) and span.name != HEADER:
+                if headers.get(span.name) != span.offset:
+                    raise refused(f"{span.name!r} is not the header at the start of its split")
+                if span.size > MAX_HEADER_BYTES:
+                    raise refused(f"{span.name!r} of {span.size} bytes is over the {MAX_HEADER_BYTES}-byte bound "
+                                  "of a GGUF header")
+            if span.size and bisect.bisect_right(ends, span.offset) != bisect.bisect_left(ends, end):
+                raise refused(f"{span.name!r} runs over the end of its file into the next")
+        if missing := set(headers) - names:
+            raise refused(f"no span for {sorted(missing)[0]}: every split's header is fetched")
+
+    def _checked_files(self, refused) -> list[tuple[str, int, int]]:
+        if not self.splits:
+            return self.files()
+        m = SPLIT_NAME.match(self.filename)
+        if not 2 <= len(self.splits) <= MAX_SPLITS or not m or int(m["no"]) != 1 \
+                or int(m["count"]) != len(self.splits):
+            raise refused(f"{len(self.splits)} splits under the name {self.filename!r}, which is not the first of "
+                          "as many splits as llama.cpp names them")
+        if sum(self.splits) != self.file_bytes or 0 in self.splits:
+            raise refused(f"its splits' lengths do not add up to its {self.file_bytes} bytes")
+        return self.files()
+
+
+def is_header(name: str) -> bool:
+    """Whether a span is a file's header (the first file's, or a later split's)."""
+    return name == HEADER or (name.startswith("<header ") and name.endswith(">"))
 
 
 def _hex(value) -> str:
@@ -180,13 +238,13 @@ class Layout:
     tensors: tuple[tuple[str, int, int], ...]
 
 
-def layout(path: str | Path) -> Layout:
+def layout(path: str | Path, first: bool = True) -> Layout:
     """The layout of the GGUF at PATH, read from its header (layout_of)."""
     with open(path, "rb") as f:
-        return layout_of(f.read(MAX_HEADER_BYTES), os.fstat(f.fileno()).st_size)
+        return layout_of(f.read(MAX_HEADER_BYTES), os.fstat(f.fileno()).st_size, first)
 
 
-def layout_of(header, file_bytes: int) -> Layout:
+def layout_of(header, file_bytes: int, first: bool = True) -> Layout:
     """The layout of a GGUF of FILE_BYTES bytes, from the bytes of its HEADER alone (what
     the gguf package's reader finds in the file); NOT_GGUF when they are not a GGUF header
     (version 2 or 3, little-endian) whose every count and length lies inside them.
@@ -196,8 +254,11 @@ def layout_of(header, file_bytes: int) -> Layout:
     the architecture, the block count, the alignment and the tensors (at most MAX_TENSORS,
     refused before one is read), and an array of strings is stepped over, never built. (The
     gguf package's reader makes objects for each value: a header of a million empty strings
-    took it 22 s and 1.5 GiB.)"""
-    return _Header(memoryview(header)).layout(file_bytes)
+    took it 22 s and 1.5 GiB.)
+
+    A model's second and later splits (not FIRST) hold tensors and the split keys, not the
+    model's metadata: their n_layer is 0."""
+    return _Header(memoryview(header)).layout(file_bytes, first)
 
 
 # GGUF's value types (gguf.GGUFValueType): the bytes of each fixed-size one, and how an integer one reads
@@ -275,7 +336,7 @@ class _Header:
                 return
         raise _not_gguf("an array of strings runs past the header's end")
 
-    def layout(self, file_bytes: int) -> Layout:
+    def layout(self, file_bytes: int, first: bool = True) -> Layout:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         if bytes(self.data[:4]) != b"GGUF":
@@ -310,9 +371,9 @@ class _Header:
                 block_counts[key] = self._read(_INTEGER[vtype])
             else:
                 self._skip(vtype)
-        if arch is None:
+        if arch is None and first:
             raise _not_gguf("no general.architecture")
-        n_layer = block_counts.get(f"{arch}.block_count".encode())
+        n_layer = block_counts.get(f"{arch}.block_count".encode()) if arch is not None else 0
         if n_layer is None or n_layer < 0:
             raise _not_gguf(f"no {arch[:64]!r}.block_count")
         infos, names = [], set()
@@ -341,19 +402,34 @@ class _Header:
                       tensors=tuple(tensors))
 
 
+def model_files(path: str | Path) -> list[Path]:
+    """The files of the model whose (first) file is PATH: [PATH], or its splits in order."""
+    from meshnet.engine.gguf_layout import read_layout
+
+    return [Path(f.path) for f in read_layout(path).files]
+
+
 def compute(path: str | Path, sha256: str) -> Manifest:
-    """The manifest of the GGUF at PATH, whose sha256 the caller checked: one read of the file."""
-    path = Path(path)
-    found = layout(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        header = Span(HEADER, 0, found.data_start, _sha256_of_range(fd, 0, found.data_start))
-        spans = tuple(Span(name, offset, size, _sha256_of_range(fd, offset, size))
-                      for name, offset, size in found.tensors)
-    finally:
-        os.close(fd)
-    manifest = Manifest(sha256=sha256, file_bytes=path.stat().st_size, filename=path.name, n_layer=found.n_layer,
-                        tied_embeddings=found.tied_embeddings, header=header, tensors=spans)
+    """The manifest of the GGUF model at PATH (its first file), whose sha256 the caller
+    checked: one read of each of its files."""
+    files = model_files(path)
+    spans, sizes, first = [], [], None
+    for i, file in enumerate(files):
+        found = layout(file, first=i == 0)
+        first = first or found
+        base = sum(sizes)
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            spans.append(Span(HEADER if i == 0 else f"<header {i + 1}>", base, found.data_start,
+                              _sha256_of_range(fd, 0, found.data_start)))
+            spans += [Span(name, base + offset, size, _sha256_of_range(fd, offset, size))
+                      for name, offset, size in found.tensors]
+            sizes.append(os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    manifest = Manifest(sha256=sha256, file_bytes=sum(sizes), filename=files[0].name, n_layer=first.n_layer,
+                        tied_embeddings=not any(s.name.startswith("output.") for s in spans), header=spans[0],
+                        tensors=tuple(spans[1:]), splits=tuple(sizes) if len(files) > 1 else ())
     manifest.check()   # one no worker would take is not served, nor vouched for
     return manifest
 
@@ -390,7 +466,7 @@ def of_file(path: str | Path, sha256: str) -> Manifest:
     then read from MESHNET_HOME/hashes (keyed by the sha256, never re-derived from bytes
     that may have changed since)."""
     manifest = cached(sha256)
-    if manifest is not None and manifest.file_bytes == Path(path).stat().st_size:
+    if manifest is not None and manifest.file_bytes == sum(f.stat().st_size for f in model_files(path)):
         return dataclasses.replace(manifest, filename=Path(path).name)
     manifest = compute(path, sha256)
     remember(manifest)

@@ -37,6 +37,7 @@ import zmq
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.planner import format_size
+from meshnet.engine.gguf_splits import model_identity
 from meshnet.net import protocol as P
 from meshnet.net.addresses import reachable
 from meshnet.net.security import KeyPair
@@ -344,43 +345,64 @@ def check_holder(holder: HolderAddress, keys: KeyPair | None, sha256: str, hint:
     """The manifest of model SHA256 computed from HOLDER's bytes, streamed once and hashed
     whole, starting from its HINT (_hint): NotTheModel when they are not the model's (their
     sha256 differs, or they are not a GGUF whose tensors lie in order inside the file);
-    HolderFailed when the holder fails, falls below MIN_RATE, or CANCEL is set."""
+    HolderFailed when the holder fails, falls below MIN_RATE, or CANCEL is set. A model of
+    several files is streamed file by file, each from its own header, and its sha256 is the
+    one over the files' (engine/gguf_splits.model_identity)."""
     total = hint.file_bytes
     pace = _Pace(total)
-    header = bytearray()
-    with contextlib.closing(stream(holder, keys, [(None, 0, hint.header.size)], silence_s, cancel)) as chunks:
-        for _, _, data in chunks:
-            header += data
-            pace.check(len(header))
-    try:
-        found = manifests.layout_of(header, total)
-    except MeshnetError as e:   # not a GGUF header within the bounds: these bytes are not the model's
-        raise NotTheModel(f"its header: {e.message}") from None
-    except MemoryError:   # this machine's trouble, not proof of the holder's bytes
-        raise HolderFailed("this machine had no memory to read its header") from None
-    if found.data_start > len(header):
-        raise NotTheModel("its manifest says the header ends before the GGUF header does")
-    hashing = _SpanHashes([(HEADER, 0, found.data_start), *found.tensors])
-    hashing.feed(0, header)
-    if progress is not None:
-        progress(len(header), total)
-    with contextlib.closing(stream(holder, keys, [(None, len(header), total - len(header))], silence_s,
-                                   cancel)) as chunks:
-        for _, offset, data in chunks:
-            hashing.feed(offset, data)
-            pace.check(offset + len(data))
-            if progress is not None:
-                progress(offset + len(data), total)
-    if hashing.whole.hexdigest() != sha256:
+    header_sizes = {s.offset: s.size for s in (hint.header, *hint.tensors) if manifests.is_header(s.name)}
+    spans: list[Span] = []
+    file_hashes: list[str] = []
+    first = None
+    for i, (_, base, size) in enumerate(hint.files()):
+        found, hashing = _check_file(holder, keys, i, base, size, header_sizes.get(base, 0), pace, progress,
+                                     silence_s, cancel)
+        first = first or found
+        spans += hashing.spans()
+        file_hashes.append(hashing.whole.hexdigest())
+    if model_identity(file_hashes) != sha256:
         raise NotTheModel(f"its bytes do not have the model's sha256 {sha256[:12]}: it serves a changed copy")
-    spans = hashing.spans()
-    manifest = Manifest(sha256=sha256, file_bytes=total, filename=hint.filename, n_layer=found.n_layer,
-                        tied_embeddings=found.tied_embeddings, header=spans[0], tensors=tuple(spans[1:]))
+    manifest = Manifest(sha256=sha256, file_bytes=total, filename=hint.filename, n_layer=first.n_layer,
+                        tied_embeddings=not any(s.name.startswith("output.") for s in spans), header=spans[0],
+                        tensors=tuple(spans[1:]), splits=hint.splits)
     try:
         manifest.check()
     except MeshnetError as e:
         raise NotTheModel(e.message) from None
     return manifest
+
+
+def _check_file(holder: HolderAddress, keys: KeyPair | None, index: int, base: int, size: int, header_size: int,
+                pace: "_Pace", progress: Callable[[int, int], None] | None, silence_s: float,
+                cancel: threading.Event | None) -> tuple[manifests.Layout, "_SpanHashes"]:
+    """The layout of the model's file INDEX (SIZE bytes from BASE in the concatenation) and
+    its spans' and its own hashes, from its header (HEADER_SIZE bytes, the hint's word) on."""
+    header = bytearray()
+    with contextlib.closing(stream(holder, keys, [(None, base, header_size)], silence_s, cancel)) as chunks:
+        for _, _, data in chunks:
+            header += data
+            pace.check(base + len(header))
+    try:
+        found = manifests.layout_of(header, size, index == 0)
+    except MeshnetError as e:   # not a GGUF header within the bounds: these bytes are not the model's
+        raise NotTheModel(f"its header{f' of split {index + 1}' if index else ''}: {e.message}") from None
+    except MemoryError:   # this machine's trouble, not proof of the holder's bytes
+        raise HolderFailed("this machine had no memory to read its header") from None
+    if found.data_start > len(header):
+        raise NotTheModel("its manifest says the header ends before the GGUF header does")
+    hashing = _SpanHashes([(HEADER if index == 0 else f"<header {index + 1}>", base, found.data_start),
+                           *((name, base + offset, n) for name, offset, n in found.tensors)])
+    hashing.feed(base, header)
+    if progress is not None:
+        progress(base + len(header), pace.total)
+    with contextlib.closing(stream(holder, keys, [(None, base + len(header), size - len(header))], silence_s,
+                                   cancel)) as chunks:
+        for _, offset, data in chunks:
+            hashing.feed(offset, data)
+            pace.check(offset + len(data))
+            if progress is not None:
+                progress(offset + len(data), pace.total)
+    return found, hashing
 
 
 class _SpanHashes:

@@ -14,6 +14,7 @@ import pytest
 
 from meshnet.core import errors as E
 from meshnet.core.errors import MeshnetError
+from meshnet.core.layers import LayerRange
 from meshnet.weights import manifest as manifests
 from meshnet.weights.manifest import HEADER, MAX_HEADER_BYTES, MAX_NAME, MAX_TENSORS, Manifest, Span
 
@@ -35,6 +36,53 @@ def refused(manifest: Manifest) -> str:
 
 def test_a_plain_manifest_passes_its_own_check():
     plain().check()
+
+
+def split3(header: int = 1000) -> Manifest:
+    """A model of 3 files of 1300 bytes (a header, then tensors), as their concatenation."""
+    spans = []
+    for i in range(3):
+        base = 1300 * i
+        if i:
+            spans.append(Span(f"<header {i + 1}>", base, header, SHA))
+        spans += [Span(f"blk.{i}.ffn_{w}.weight", base + header + 150 * j, 150, SHA) for j, w in enumerate("ud")]
+    return Manifest(sha256=SHA, file_bytes=3900, filename="m-00001-of-00003.gguf", n_layer=3, tied_embeddings=True,
+                    header=Span(HEADER, 0, header, SHA), tensors=tuple(spans), splits=(1300, 1300, 1300))
+
+
+def test_a_split_model_s_manifest_names_its_files_and_every_stage_takes_every_header():
+    m = split3()
+    m.check()
+    assert Manifest.from_wire(m.to_wire()) == m
+    assert m.files() == [("m-00001-of-00003.gguf", 0, 1300), ("m-00002-of-00003.gguf", 1300, 1300),
+                         ("m-00003-of-00003.gguf", 2600, 1300)]
+    assert [s.name for s in m.headers()] == [HEADER, "<header 2>", "<header 3>"]
+    assert [s.name for s in m.spans_for(LayerRange(2, 3))] == [HEADER, "<header 2>", "<header 3>",
+                                                                "blk.2.ffn_u.weight", "blk.2.ffn_d.weight"]
+
+
+def test_a_split_model_s_manifest_that_breaks_the_splits_rules_is_refused():
+    m = split3()
+    assert "add up" in refused(dataclasses.replace(m, splits=(1300, 1300, 1299)))
+    assert "first of" in refused(dataclasses.replace(m, filename="m.gguf"))
+    assert "first of" in refused(dataclasses.replace(m, filename="m-00002-of-00003.gguf"))
+    assert "first of" in refused(dataclasses.replace(m, splits=(1300, 2600), filename="m-00001-of-00003.gguf"))
+    # a span across the end of a split, a header that is not at its split's start, one missing
+    across = tuple(dataclasses.replace(s, size=300) if s.name == "blk.0.ffn_d.weight" else s for s in m.tensors)
+    assert "runs over the end of its file" in refused(dataclasses.replace(m, tensors=across))
+    moved = tuple(dataclasses.replace(s, name="<header 3>") if s.name == "<header 2>" else
+                  dataclasses.replace(s, name="<header 2>") if s.name == "<header 3>" else s for s in m.tensors)
+    assert "not the header at the start of its split" in refused(dataclasses.replace(m, tensors=moved))
+    dropped = tuple(s for s in m.tensors if s.name != "<header 3>")
+    assert "<header 3>" in refused(dataclasses.replace(m, tensors=dropped))
+    big = MAX_HEADER_BYTES + 1   # the second split's header: the coordinator would hold it in memory
+    assert "bound" in refused(dataclasses.replace(
+        m, file_bytes=1300 + big, splits=(1300, big),
+        filename="m-00001-of-00002.gguf", tensors=(*m.tensors[:2], Span("<header 2>", 1300, big, SHA))))
+    # a later split's header in a manifest of one file
+    one = plain()
+    assert "not the header at the start" in refused(dataclasses.replace(
+        one, tensors=(Span("<header 2>", one.tensors[0].offset, 100, SHA), *one.tensors[1:])))
 
 
 def test_a_manifest_whose_header_is_over_the_bound_of_a_gguf_header_is_refused():
