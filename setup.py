@@ -19,6 +19,8 @@ setup(
         "uvicorn>=0.29",
         # LAN discovery of a coordinator by mDNS/DNS-SD (meshnet.net.discovery), not hand-made multicast
         "zeroconf>=0.130",
+        # --model hf:ORG/REPO: the hub's own client (its cache, its auth, resumed downloads)
+        "huggingface_hub>=0.30",
     ],
     # the real OpenAI client and an agent framework's against meshnet serve; a real terminal
     # for meshnet chat; a real browser (Debian's chromium) driving the console

@@ -21,7 +21,8 @@ from meshnet.engine import models
 
 
 @click.command()
-@click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
+@click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}), GGUF path (any split of one), "
+              f"hf:ORG/REPO[:QUANT|:FILE] or ollama:NAME[:TAG] [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
 @click.option("--split", "split", default=None, callback=usage_error(parse_seams),
               help="seams, e.g. 15 for [0,15)+[15,n) or 10,20 for three stages")
@@ -177,7 +178,8 @@ class TextStreamer:
 
 
 @click.command()
-@click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}) or GGUF path [default: {models.DEFAULT_MODEL}]")
+@click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}), GGUF path (any split of one), "
+              f"hf:ORG/REPO[:QUANT|:FILE] or ollama:NAME[:TAG] [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True,

@@ -37,7 +37,8 @@ def _stage_indices(text: str) -> tuple[int, ...] | str:
 
 
 @click.command()
-@click.option("--model", default=None, help=f"model name or GGUF path [default: {models.DEFAULT_MODEL}]")
+@click.option("--model", default=None, help=f"model name, GGUF path, hf:ORG/REPO[:QUANT] or ollama:NAME[:TAG] "
+              f"[default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None,
               help="split into N balanced stages; 1: the whole model in one worker [default: 2]")
 @click.option("--split", "split", default=None, callback=usage_error(parse_seams), help="seams, e.g. 15 or 10,20")

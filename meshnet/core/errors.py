@@ -43,6 +43,7 @@ NOT_GGUF = _code("not_gguf", 3, "a file that is not a readable GGUF model", engi
 TRUNCATED_GGUF = _code("truncated_gguf", 3, "a GGUF file shorter than its header says")
 MODEL_NOT_FOUND = _code("model_not_found", 3, "neither a known model name nor an existing file")
 MODEL_CHECKSUM = _code("model_checksum", 3, "a known model whose bytes do not have the recorded sha256")
+MODEL_SOURCE = _code("model_source", 3, "a model source (Hugging Face, Ollama's store) that could not give the model")
 UNKNOWN_MODEL = _code("unknown_model", 3, "a model name that is not in the list of known models")
 MODEL_LOAD = _code("model_load", 3, "the engine could not load the model", engine=3)
 UNSUPPORTED_ARCH = _code("unsupported_arch", 3, "a model architecture the engine cannot split into stages", engine=4)

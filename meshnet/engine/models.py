@@ -24,6 +24,7 @@ from pathlib import Path
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.home import meshnet_home
+from meshnet.engine import hub, ollama_store
 from meshnet.engine.gguf_splits import model_identity, named_splits
 
 
@@ -255,6 +256,10 @@ def resolve(model: str | None) -> tuple[Path, str]:
         model = DEFAULT_MODEL
     if model in MODELS:
         return ensure(model), MODELS[model].sha256
+    if model.startswith(hub.PREFIX):
+        model = str(hub.fetch(model, verified_sha256))
+    elif model.startswith(ollama_store.PREFIX):
+        model = str(ollama_store.find(model, verified_sha256))
     path = Path(model).expanduser()
     if not path.is_file():
         raise MeshnetError(errors.MODEL_NOT_FOUND, f"'{model}' is neither a known model ({', '.join(sorted(MODELS))}) nor a file")
