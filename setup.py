@@ -24,7 +24,8 @@ setup(
     ],
     # the real OpenAI client and an agent framework's against meshnet serve; a real terminal
     # for meshnet chat; a real browser (Debian's chromium) driving the console
+    # the Ollama and Anthropic clients against its other APIs
     extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8", "openai-agents>=0.24",
-                             "selenium>=4.20"]},
+                             "selenium>=4.20", "ollama>=0.4", "anthropic>=0.40"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli.main:main"]},
 )

@@ -19,18 +19,18 @@ import time
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from meshnet.core import defaults, errors
-from meshnet.core.conversation import prompt_tokens as chat_prompt_tokens
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
-from meshnet.serve import console
+from meshnet.serve import anthropic_api, console, ollama_api, responses_api
 from meshnet.serve.admission import Admission
 from meshnet.serve.completions import Completions
-from meshnet.serve.openai import (TOO_LARGE, ApiError, ChatRequest, CompletionRequest, chat_messages, check_request,
-                                  field_path, tool_request)
-from meshnet.serve.tools import generic_message
+from meshnet.serve.chat import chat_answer
+from meshnet.serve.openai import (TOO_LARGE, UNSUPPORTED_FIELD, ApiError, ChatRequest, CompletionRequest,
+                                  check_request, field_path, not_utf8)
 
 # The largest request body taken: a bigger one is refused (413) before it is read. It is
 # well above any prompt a context holds (a 3,000,000-character prompt is let through, to
@@ -87,13 +87,18 @@ class BodyLimit:
 
 
 def create_app(coordinator, model: str, *, api_key: str | None = None, stuck_after: float = defaults.STUCK_AFTER_S,
-               max_queue: int = defaults.MAX_QUEUE, queue_wait: float = defaults.QUEUE_WAIT_S) -> FastAPI:
+               max_queue: int = defaults.MAX_QUEUE, queue_wait: float = defaults.QUEUE_WAIT_S,
+               facts: dict | None = None) -> FastAPI:
+    """The server's app. FACTS: what the model's file says of it (model_facts), for the
+    APIs that list a model's details (Ollama's)."""
     app = FastAPI(title="meshnet", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
     completions = Completions(coordinator, model, Admission(max_queue, queue_wait))
     _answer_errors_as_openai_does(app)
     authorize = _authorizer(api_key)
     app.include_router(_v1(coordinator, model, completions, authorize))
+    app.include_router(ollama_api.routes(completions, model, facts or {}, authorize))
+    app.include_router(_tokens(coordinator, authorize))
     feeds = console.Feeds()
     for router in console.routes(coordinator, model, completions.slots, authorize, feeds):
         app.include_router(router)
@@ -133,9 +138,11 @@ def _authorizer(api_key: str | None):
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer":   # Anthropic's clients send the key as x-api-key
+            scheme, given = "bearer", request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (or "
+                           "'x-api-key: KEY')", code="invalid_api_key")
     return authorize
 
 
@@ -161,17 +168,15 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
-        check_request(body)
-        tools = tool_request(body)
-        messages = chat_messages(body.messages)
+        return await chat_answer(completions, request, body)
 
-        def prepare(limit: int):   # once the request has a slot: the head's text work waits in the queue too
-            plan = completions.tool_plan(tools, messages, limit) if tools is not None else None
-            if plan is None:   # (no tools, or tool_choice none on a template that knows none)
-                return None, chat_prompt_tokens(coordinator, [generic_message(m) for m in messages], limit)
-            return plan, plan.tokens(coordinator, messages, limit)
-        return await completions.answer(request, body, True, prepare, body.max_completion_tokens or body.max_tokens,
-                                        tools=tools is not None)
+    @v1.post("/responses")
+    async def responses(request: Request):   # OpenAI's Responses API
+        return await responses_api.answer(completions, request, model)
+
+    @v1.post("/messages")
+    async def messages(request: Request):   # Anthropic's Messages API
+        return await anthropic_api.answer(completions, request, model)
 
     @v1.post("/completions")
     async def text_completions(request: Request, body: CompletionRequest):
@@ -183,6 +188,45 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
                                         lambda limit: (None, coordinator.tokenize(prompt, limit=limit)), body.max_tokens)
 
     return v1
+
+
+def check_request_text(text: str, field: str) -> None:
+    if not_utf8(text) is not None:
+        raise ApiError(400, f"{field} is not valid UTF-8: it holds a lone surrogate", code=errors.INVALID_ARGUMENT,
+                       param=field)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tokens: list[int]
+
+
+def _tokens(coordinator, authorize) -> APIRouter:
+    """llama-server's /tokenize and /detokenize, by the head's and the tail's tokenizer."""
+    router = APIRouter(dependencies=[Depends(authorize)])
+
+    @router.post("/tokenize")
+    def tokenize(body: TokenizeRequest):
+        check_request_text(body.content, "content")
+        if body.with_pieces:
+            raise ApiError(400, "with_pieces is not supported by meshnet serve: leave it out or false",
+                           code=UNSUPPORTED_FIELD, param="with_pieces")
+        return {"tokens": coordinator.tokenize(body.content, add_special=body.add_special,
+                                               parse_special=body.parse_special)}
+
+    @router.post("/detokenize")
+    def detokenize(body: DetokenizeRequest):
+        return {"content": coordinator.detokenize(body.tokens)}
+
+    return router
 
 
 def _status_routes(app: FastAPI, coordinator, model: str, completions: Completions, stuck_after: float) -> None:

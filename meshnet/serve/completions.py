@@ -43,12 +43,14 @@ class StopScanner:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.hit: str | None = None   # the stop string the text ended at
 
     def feed(self, text: str) -> tuple[str, bool]:
         self.held += text
-        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.held = self.held[:min(hits)], ""
+            at, self.hit = min(hits, key=lambda h: h[0])
+            out, self.held = self.held[:at], ""
             return out, True
         keep = max((k for s in self.stops for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
@@ -144,8 +146,9 @@ class Answer:
     """The text of one answer, piece by piece as it may be shown, and how it ended; with
     logprobs, each token's (take_logprobs: those of the tokens since the last call)."""
 
-    def __init__(self, session: Session, first, stops: list[str], logprobs: bool = False):
+    def __init__(self, session: Session, first, stops: list[str], logprobs: bool = False, report: dict | None = None):
         self.session, self.first = session, first
+        self.report = report   # what OpenAI's shape has no place for, for another API's: the stop string hit
         self.scanner = StopScanner(stops)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.n_tokens = 0
@@ -184,6 +187,8 @@ class Answer:
                     await self.session.settle()
                 if stopped or kind == "done":
                     self.finish_reason = "length" if not stopped and value == "length" else "stop"
+                    if self.report is not None:
+                        self.report["stop_sequence"] = self.scanner.hit
                     ended = True
                     return
                 event = await self.session.next(request)
@@ -207,9 +212,13 @@ class Started:
     """A request admitted and under way: its session and first event, the prompt's tokens,
     the tools its answer may call (PLAN) and what it asked of the answer."""
 
-    def __init__(self, session: Session, first, tokens: list[int], plan, stops: list[str], logprobs: bool):
+    def __init__(self, session: Session, first, tokens: list[int], plan, stops: list[str], logprobs: bool,
+                 report: dict | None = None):
         self.session, self.first, self.tokens, self.plan = session, first, tokens, plan
-        self.stops, self.logprobs = stops, logprobs
+        self.stops, self.logprobs, self.report = stops, logprobs, report
+
+    def answer(self) -> Answer:
+        return Answer(self.session, self.first, self.stops, logprobs=self.logprobs, report=self.report)
 
 
 class Completions:
@@ -229,12 +238,13 @@ class Completions:
         return plan_of(tools, self.caps, self.coordinator, messages, limit)
 
     async def answer(self, request: Request, body, chat: bool, prepare, max_tokens: int | None,
-                     tools: bool = False):
+                     tools: bool = False, report: dict | None = None):
         """The response to a checked request. Once it has a slot, PREPARE(limit) (in a
         thread) gives (plan, tokens): the tools the answer may call (serve/tools.py; None:
         none) and the prompt's tokens, at most LIMIT of them. TOOLS: the request has tools,
         whose plan its sampling needs; without them a bad sampling field is refused before
-        the request waits for a slot."""
+        the request waits for a slot. REPORT, when given, gets the stop string the answer
+        ended at (stop_sequence) before its last chunk."""
         if body.model != self.model:
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
                            code="model_not_found", param="model")
@@ -242,7 +252,7 @@ class Completions:
             raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
                            param="n")
         sampling = None if tools else sampling_of(body)
-        start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens, tools, sampling))
+        start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens, tools, sampling, report))
         handed_on = False   # to a stream that goes on waiting for it
         try:
             if body.stream:
@@ -258,7 +268,7 @@ class Completions:
                 start.cancel()
         if body.stream:
             return _event_stream(self._stream(request, body, chat, start))
-        answer = Answer(started.session, started.first, started.stops, logprobs=started.logprobs)
+        answer = started.answer()
         try:
             text = "".join([t async for t in answer.texts(request)])
         except ClientGone:
@@ -285,7 +295,7 @@ class Completions:
                 return
             except ClientGone:
                 return
-            answer = Answer(started.session, started.first, started.stops, logprobs=started.logprobs)
+            answer = started.answer()
             head, plan = self._head(chat, True), started.plan
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             if plan is not None and not plan.streams_content:   # (one in JSON is whole first)
@@ -315,7 +325,7 @@ class Completions:
                 start.result().session.close()
 
     async def _start(self, request: Request, body, chat: bool, prepare, max_tokens: int | None, tools: bool,
-                     sampling: Sampling | None) -> Started:
+                     sampling: Sampling | None, report: dict | None) -> Started:
         """A slot (waiting in the queue for one), the prompt, the session and its first
         event: an error before that one is the request's status."""
         n_ctx, n_slots = await run_in_threadpool(route_limits, self.coordinator)
@@ -341,7 +351,7 @@ class Completions:
             raise
         if first[0] == "error":
             raise ApiError.of(session.reason or first[1])
-        return Started(session, first, tokens, plan, stops, logprobs is not None)
+        return Started(session, first, tokens, plan, stops, logprobs is not None, report)
 
     @staticmethod
     def _prompt(prepare, n_ctx: int, chat: bool):
@@ -396,6 +406,7 @@ def cache_scope(request: Request, body) -> str:
     or without one the same user. A prefix reused shows in cached_tokens, so a scope any
     client could share would let it learn, block by block, what another's prompts begin with."""
     _, _, key = request.headers.get("authorization", "").partition(" ")
+    key = key or request.headers.get("x-api-key", "")   # (Anthropic's clients send it so)
     named = ["prompt_cache_key", body.prompt_cache_key] if body.prompt_cache_key is not None else ["user", body.user]
     # a digest: the key itself goes no further than this server's HTTP layer
     return hashlib.blake2b(json.dumps([key.strip(), *named]).encode(), digest_size=16).hexdigest()

@@ -50,10 +50,10 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
     from meshnet.route.config import CoordinatorConfig
     from meshnet.route.coordinator import Coordinator
 
-    def run(coordinator, where: str):
+    def run(coordinator, where: str, path=None):
         host, port = sock.getsockname()[:2]
         app = create_app(coordinator, model_id(model), api_key=api_key, stuck_after=stuck_after, max_queue=max_queue,
-                         queue_wait=queue_wait)
+                         queue_wait=queue_wait, facts=model_facts(path) if path is not None else None)
 
         class Server(uvicorn.Server):
             async def shutdown(self, sockets=None):
@@ -83,7 +83,7 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                               numerics=numerics, flash_attn=flash_attn, kv_type=kv_type, prefix_cache_mib=prefix_cache_mib,
                               progress=echo,
                               supervise=True, **resume) as cluster:
-                run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}")
+                run(cluster.coordinator, f"{len(ranges)} local workers {' '.join(r.label for r in ranges)}", path)
         else:
             with Coordinator(CoordinatorConfig(bind, **(coordinator_options or {}))) as coordinator:
                 local = None
@@ -96,7 +96,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
                         local = spawn_joined_worker(mesh, mesh_mem)
                 try:
                     run(coordinator, f"workers connect to {coordinator.endpoint}"
-                        + (f"; a worker here within {mesh_mem} bytes" if local else ""))
+                        + (f"; a worker here within {mesh_mem} bytes" if local else ""),
+                        mesh.holder.path if mesh is not None and mesh.holder is not None else None)
                 finally:
                     if local is not None:
                         local.terminate()
@@ -109,6 +110,23 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
+
+
+def model_facts(path) -> dict:
+    """What the model's file says of it, as Ollama's API lists a model: its bytes and
+    sha256, architecture, parameters and main quantization, and its trained context."""
+    from meshnet.engine.gguf_layout import read_layout
+
+    layout = read_layout(path)
+    parameters = sum(layout.layer_weights) + layout.output_weights   # (the weights a token multiplies)
+    quant = max((t for t in layout.quant_types if t not in ("F32",)), key=layout.quant_types.get, default="F32")
+    return {"sha256": models.resolve(str(path))[1], "bytes": layout.file_bytes, "arch": layout.arch,
+            "parameters": parameters, "parameter_size": _count(parameters), "quantization": quant,
+            "context_length": layout.n_ctx_train}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
 def spawn_joined_worker(mesh, mem: int) -> subprocess.Popen:

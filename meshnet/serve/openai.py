@@ -6,6 +6,7 @@ bodies and status codes, and the response pieces (choices, server-sent events)."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from fastapi.responses import JSONResponse
@@ -380,6 +381,15 @@ def choice(chat: bool, text: str | None, finish: str | None, stream: bool, logpr
 
 
 def model_id(model: str | None) -> str:
-    """The name clients ask for: a known model's name, or a GGUF file's stem."""
+    """The name clients ask for: a known model's name, a GGUF file's stem (a split model's
+    without its split number), a hub name's ORG/REPO[:QUANT], an Ollama name's NAME:TAG."""
     model = model or models.DEFAULT_MODEL
-    return model if model in models.MODELS else Path(model).stem
+    if model in models.MODELS:
+        return model
+    if model.startswith("hf:"):
+        return model[len("hf:"):]
+    if model.startswith("ollama:"):
+        name = model[len("ollama:"):]
+        return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+    stem = Path(model).stem
+    return re.sub(r"-\d{5}-of-\d{5}$", "", stem)
