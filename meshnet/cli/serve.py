@@ -12,8 +12,8 @@ from meshnet.core import kv_cache
 from meshnet.core.errors import MeshnetError
 
 @click.command()
-@click.option("--model", default=None, help="model name or GGUF path; clients ask for it by its name (a path's file "
-                                            "stem) [default: smollm2]")
+@click.option("--model", default=None, help="model name, GGUF path, hf:ORG/REPO[:QUANT] or ollama:NAME[:TAG]; clients "
+                                            "ask for it by its name (a path's file stem) [default: smollm2]")
 @click.option("--host", default="127.0.0.1", show_default=True, help="the HTTP address (loopback unless you say otherwise)")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8080, show_default=True, help="0: a free port")
 @click.option("--api-key", envvar="MESHNET_API_KEY", default=None,
@@ -49,6 +49,9 @@ from meshnet.core.errors import MeshnetError
                    "[default: yes, unless MESHNET_ANNOUNCE=0]")
 @click.option("--insecure", is_flag=True, help="listen beyond loopback without keys (--coordinator) or without --api-key "
                                             "(--host); local workers: plain links instead of fresh CURVE keys")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="a browser origin (https://ui.example:3000, or *) whose pages may call the API: CORS headers and "
+                   "preflights for it, as llama-server's --cors; repeat per origin [default: none]")
 @click.option("--stuck-after", type=click.FloatRange(min=0.1), default=defaults.STUCK_AFTER_S, show_default=True,
               help="seconds one step of a stage may run before /health reports the stage stuck (503)")
 
@@ -59,8 +62,9 @@ from meshnet.core.errors import MeshnetError
 @prefix_cache_option
 @speculate_option
 def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_pool, max_queue, queue_wait, bind, secret_file, allow_path, mem, announce,
-          insecure, stuck_after, numerics, flash_attn, kv_type, resume_wait, max_resumes, prefix_cache_mib, speculate):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) until Ctrl-C."""
+          insecure, cors_origins, stuck_after, numerics, flash_attn, kv_type, resume_wait, max_resumes, prefix_cache_mib, speculate):
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models),
+    Anthropic's (/v1/messages) and Ollama's (/api/chat, /api/generate, /api/tags) until Ctrl-C."""
     from meshnet.net import security
     from meshnet.serve.launch import listen
     from meshnet.serve.launch import serve as run_server
@@ -102,7 +106,7 @@ def serve(model, host, port, api_key, stages, threads, n_ctx, max_sessions, kv_p
                    stages=stages or 2, threads=threads or 0, n_ctx=n_ctx, max_sessions=max_sessions or defaults.MAX_SESSIONS,
                    secure=not insecure, numerics=numerics, flash_attn=flash_attn, kv_type=kv_type,
                    prefix_cache_mib=prefix_cache_mib, stuck_after=stuck_after,
-                   max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool,
+                   max_queue=max_queue, queue_wait=queue_wait, kv_pool=kv_pool, cors_origins=list(cors_origins),
                    echo=lambda line: click.echo(line, err=True))
     except MeshnetError as e:
         fail(e)

@@ -18,16 +18,18 @@ import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
+from meshnet.core.version import version
 from meshnet.core import defaults, errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
 from meshnet.serve import anthropic_api, console, ollama_api, responses_api
 from meshnet.serve.admission import Admission
-from meshnet.serve.completions import Completions
+from meshnet.serve.completions import Completions, route_limits
 from meshnet.serve.chat import chat_answer
 from meshnet.serve.openai import (TOO_LARGE, UNSUPPORTED_FIELD, ApiError, ChatRequest, CompletionRequest,
                                   check_request, field_path, not_utf8)
@@ -88,17 +90,21 @@ class BodyLimit:
 
 def create_app(coordinator, model: str, *, api_key: str | None = None, stuck_after: float = defaults.STUCK_AFTER_S,
                max_queue: int = defaults.MAX_QUEUE, queue_wait: float = defaults.QUEUE_WAIT_S,
-               facts: dict | None = None) -> FastAPI:
+               facts: dict | None = None, cors_origins: list[str] = ()) -> FastAPI:
     """The server's app. FACTS: what the model's file says of it (model_facts), for the
-    APIs that list a model's details (Ollama's)."""
+    APIs that list a model's details (Ollama's). CORS_ORIGINS: the browser origins whose
+    pages may call it (none: no CORS headers, as llama-server without --cors)."""
     app = FastAPI(title="meshnet", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
+    if cors_origins:   # (outside the body limit: a preflight is answered before anything else)
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials="*" not in cors_origins, max_age=600)
     completions = Completions(coordinator, model, Admission(max_queue, queue_wait))
     _answer_errors_as_openai_does(app)
     authorize = _authorizer(api_key)
     app.include_router(_v1(coordinator, model, completions, authorize))
     app.include_router(ollama_api.routes(completions, model, facts or {}, authorize))
-    app.include_router(_tokens(coordinator, authorize))
+    app.include_router(_llama_server(coordinator, model, completions, authorize))
     feeds = console.Feeds()
     for router in console.routes(coordinator, model, completions.slots, authorize, feeds):
         app.include_router(router)
@@ -170,6 +176,12 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
     async def chat_completions(request: Request, body: ChatRequest):
         return await chat_answer(completions, request, body)
 
+    @v1.post("/embeddings")
+    async def embeddings():   # a clear no, where a 404 would read as a wrong address
+        raise ApiError(400, "embeddings are not supported by meshnet serve: its route of stages generates text, its "
+                       "tail has no pooled hidden state to give; serve an embedding model with llama-server "
+                       "--embeddings", code=UNSUPPORTED_FIELD, param="model")
+
     @v1.post("/responses")
     async def responses(request: Request):   # OpenAI's Responses API
         return await responses_api.answer(completions, request, model)
@@ -185,7 +197,8 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
             raise ApiError(400, "prompt must be one text (one choice per request)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         return await completions.answer(request, body, False,
-                                        lambda limit: (None, coordinator.tokenize(prompt, limit=limit)), body.max_tokens)
+                                        lambda limit: (None, coordinator.tokenize(prompt, limit=limit)),
+                                        body.token_limit())
 
     return v1
 
@@ -209,8 +222,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _tokens(coordinator, authorize) -> APIRouter:
-    """llama-server's /tokenize and /detokenize, by the head's and the tail's tokenizer."""
+def _llama_server(coordinator, model: str, completions: Completions, authorize) -> APIRouter:
+    """llama-server's own routes: /tokenize and /detokenize (by the head's and the tail's
+    tokenizer), /props and /slots."""
     router = APIRouter(dependencies=[Depends(authorize)])
 
     @router.post("/tokenize")
@@ -221,6 +235,19 @@ def _tokens(coordinator, authorize) -> APIRouter:
                            code=UNSUPPORTED_FIELD, param="with_pieces")
         return {"tokens": coordinator.tokenize(body.content, add_special=body.add_special,
                                                parse_special=body.parse_special)}
+
+    @router.get("/props")
+    def props():   # llama-server's: what a web UI reads first
+        n_ctx, n_slots = route_limits(coordinator)
+        return {"model_alias": model, "total_slots": n_slots, "build_info": f"meshnet {version()}",
+                "default_generation_settings": {"n_ctx": n_ctx, "params": {"temperature": 0.0}},
+                "modalities": {"vision": False, "audio": False}}
+
+    @router.get("/slots")
+    def slots():   # llama-server's: each session slot, and whether a request holds it
+        _, n_slots = route_limits(coordinator)
+        busy = completions.slots.active
+        return [{"id": i, "n_ctx": None, "is_processing": i < busy} for i in range(n_slots)]
 
     @router.post("/detokenize")
     def detokenize(body: DetokenizeRequest):

@@ -29,7 +29,7 @@ async def chat_answer(completions: Completions, request: Request, body: ChatRequ
         if plan is None:   # (no tools, or tool_choice none on a template that knows none)
             return None, chat_prompt_tokens(coordinator, [generic_message(m) for m in messages], limit)
         return plan, plan.tokens(coordinator, messages, limit)
-    return await completions.answer(request, body, True, prepare, body.max_completion_tokens or body.max_tokens,
+    return await completions.answer(request, body, True, prepare, body.token_limit(),
                                     tools=tools is not None, report=report)
 
 

@@ -404,7 +404,10 @@ def cache_scope(request: Request, body) -> str:
     """Whose kept prefixes a request may start from: those of requests with the same API
     key (the one sent, whether or not the server checks keys) and the same prompt_cache_key,
     or without one the same user. A prefix reused shows in cached_tokens, so a scope any
-    client could share would let it learn, block by block, what another's prompts begin with."""
+    client could share would let it learn, block by block, what another's prompts begin with.
+    cache_prompt false (llama-server's): a scope of its own, so it starts from no kept prefix."""
+    if getattr(body, "cache_prompt", None) is False:
+        return secrets.token_hex(16)
     _, _, key = request.headers.get("authorization", "").partition(" ")
     key = key or request.headers.get("x-api-key", "")   # (Anthropic's clients send it so)
     named = ["prompt_cache_key", body.prompt_cache_key] if body.prompt_cache_key is not None else ["user", body.user]

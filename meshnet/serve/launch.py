@@ -39,7 +39,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
           flash_attn: bool = False, kv_type: str = kv_cache.DEFAULT,
           prefix_cache_mib: int | None = None, mesh=None, mesh_mem: int | None = None, announce: bool = True,
           stuck_after: float = defaults.STUCK_AFTER_S, max_queue: int = defaults.MAX_QUEUE,
-          queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int | None = None, echo=print) -> None:
+          queue_wait: float = defaults.QUEUE_WAIT_S, kv_pool: int | None = None, cors_origins: list[str] = (),
+          echo=print) -> None:
     """Serve until SIGINT or SIGTERM: in front of local workers (CURVE on their links
     unless not secure), or (bind) of a coordinator that workers elsewhere connect to.
     N_CTX, KV_POOL: the local workers' (None: defaults.kv_settings, from the model)."""
@@ -53,7 +54,8 @@ def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None,
     def run(coordinator, where: str, path=None):
         host, port = sock.getsockname()[:2]
         app = create_app(coordinator, model_id(model), api_key=api_key, stuck_after=stuck_after, max_queue=max_queue,
-                         queue_wait=queue_wait, facts=model_facts(path) if path is not None else None)
+                         queue_wait=queue_wait, facts=model_facts(path) if path is not None else None,
+                         cors_origins=cors_origins)
 
         class Server(uvicorn.Server):
             async def shutdown(self, sockets=None):

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from meshnet import __version__
+from meshnet.core.version import version
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.serve.chat import chat_answer, openai_chunks, openai_chat_request
@@ -296,8 +296,8 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
                 "capabilities": ["completion", "tools"], "modified_at": started}
 
     @api.get("/version")
-    async def version():
-        return {"version": __version__}
+    async def api_version():
+        return {"version": version()}
 
     return api
 
@@ -351,4 +351,4 @@ async def _raw_completion(completions: Completions, request: Request, fields: di
     coordinator = completions.coordinator
     return await completions.answer(request, body, False,
                                     lambda limit: (None, coordinator.tokenize(body.prompt, limit=limit)),
-                                    body.max_tokens)
+                                    body.token_limit())

@@ -18,7 +18,7 @@ from meshnet.core.errors import MeshnetError
 from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import Sampling
 from meshnet.engine import models
-from meshnet.serve.structured import grammar_of
+from meshnet.serve.structured import answer_schema, grammar_of
 from meshnet.serve.tools import ToolRequest, request_of
 
 RETRY_AFTER_S = 1
@@ -41,6 +41,7 @@ OFF_VALUES = {
     "service_tier": (None, "auto"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
     "safety_identifier": (None,),
+    "chat_template_kwargs": (None, {}),   # (llama-server's: the head's template takes no arguments)
 }
 
 
@@ -151,6 +152,15 @@ class _Request(_Body):
     prompt_cache_key: str | None = None   # a prefix cache scope named by the client, in place of user's
     response_format: ResponseFormat | None = None   # structured output (serve/structured.py)
     grammar: str | None = None   # llama-server's field: the answer follows this GBNF
+    # llama-server's: n_predict is max_tokens (-1: no limit); cache_prompt false starts
+    # from no kept prefix (true is meshnet's way already)
+    n_predict: int | None = Field(None, ge=-1)
+    cache_prompt: bool | None = None
+
+    def token_limit(self) -> int | None:
+        """The most tokens the answer may have (None: the rest of the context)."""
+        given = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        return given or (self.n_predict if self.n_predict and self.n_predict > 0 else None)
 
 
 class ChatRequest(_Request):
@@ -291,11 +301,14 @@ def tool_request(body: _Request) -> ToolRequest | None:
         return None
     try:
         request = request_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if request is not None:
+            # as OpenAI: the calls are the tools', the final answer the format's
+            request.answer_schema = answer_schema(body.response_format)
     except MeshnetError as e:
         raise ApiError(400, e.message, code=e.code, param=e.context.get("field")) from None
-    if request is not None and (body.grammar is not None or (body.response_format and body.response_format.type != "text")):
-        raise ApiError(400, "tools and a response_format or grammar cannot both be given: each fixes the answer's form",
-                       code=errors.INVALID_ARGUMENT, param="tools")
+    if request is not None and body.grammar is not None:
+        raise ApiError(400, "tools and a grammar cannot both be given: a raw grammar has no place for the calls; "
+                       "give a response_format instead", code=errors.INVALID_ARGUMENT, param="grammar")
     return request
 
 

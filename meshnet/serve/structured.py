@@ -20,6 +20,18 @@ def _refused(message: str, field: str) -> MeshnetError:
     return MeshnetError(errors.INVALID_ARGUMENT, message, field=field)
 
 
+def answer_schema(response_format) -> dict | None:
+    """The JSON schema a response_format holds an answer to (None: free text), checked as
+    grammar_of checks it."""
+    kind = response_format.type if response_format is not None else "text"
+    if kind == "text":
+        return None
+    grammar_of(response_format, None)   # (refused here as it would be without tools)
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    return response_format.json_schema.schema_ if response_format.json_schema.schema_ is not None else {}
+
+
 def grammar_of(response_format, grammar: str | None) -> str:
     """The grammar a request asks its answer to follow ("": none). response_format is the
     request's (openai.ResponseFormat, or None). A request that gives no valid one:

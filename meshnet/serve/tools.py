@@ -12,7 +12,12 @@ then answered in one of two ways:
   "arguments"}]}` (a call, or several with parallel_tool_calls) or, with tool_choice auto,
   `{"response": text}`. The calls and results of the conversation go back as that JSON.
 
-Either way a named or required tool_choice gets a valid call to the tools asked for."""
+Either way a named or required tool_choice gets a valid call to the tools asked for. With
+tool_choice auto a model often writes its call in a form of its own rather than its
+template's (Qwen2.5 a fenced JSON object, where its Hermes template waits for <tool_call>):
+a JSON object naming an offered tool with arguments that hold its schema's required keys,
+bare or fenced, alone or in a list, is a call too (loose_calls); while the answer streams,
+such a block is held back until the whole answer says which it is."""
 
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class ToolRequest:
     descriptions: dict       # ... -> its description
     choice: str              # "auto", "none" or "required" (a named function is required, alone)
     parallel: bool
+    answer_schema: dict | None = None   # a response_format's: the schema the final answer (no call) holds
 
 
 def request_of(tools, tool_choice, parallel: bool | None) -> ToolRequest | None:
@@ -107,6 +113,7 @@ class GenericPlan:
     stops: list[str] = []
 
     def __init__(self, request: ToolRequest):
+        self.answer_schema = request.answer_schema
         call = {"anyOf": [{"type": "object",
                            "properties": {"name": {"const": name}, "arguments": request.parameters[name]},
                            "required": ["name", "arguments"], "additionalProperties": False}
@@ -115,7 +122,8 @@ class GenericPlan:
         schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                   "additionalProperties": False}
         if request.choice == "auto":
-            schema = {"anyOf": [schema, {"type": "object", "properties": {"response": {"type": "string"}},
+            answer = request.answer_schema if request.answer_schema is not None else {"type": "string"}
+            schema = {"anyOf": [schema, {"type": "object", "properties": {"response": answer},
                                          "required": ["response"], "additionalProperties": False}]}
         described = "\n".join(json.dumps({"name": name, "description": request.descriptions[name],
                                           "parameters": request.parameters[name]}) for name in request.parameters)
@@ -136,10 +144,10 @@ class GenericPlan:
             chat.insert(0, {"role": "system", "content": self.instruction})
         return prompt_tokens(coordinator, chat, limit)
 
-    @staticmethod
-    def parse(text: str, partial: bool = False) -> tuple[str | None, list[dict] | None]:
-        """The answer's (content, OpenAI tool_calls): one or the other. A text the grammar
-        held yet cut short (max_tokens) is content as it came."""
+    def parse(self, text: str, partial: bool = False) -> tuple[str | None, list[dict] | None]:
+        """The answer's (content, OpenAI tool_calls): one or the other; an answer held to a
+        response_format is its JSON. A text the grammar held yet cut short (max_tokens) is
+        content as it came."""
         try:
             answer = json.loads(text)
         except ValueError:
@@ -148,8 +156,11 @@ class GenericPlan:
             return None, [{"id": _call_id(), "type": "function",
                            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
                           for call in answer["tool_calls"]]
-        if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-            return answer["response"], None
+        if isinstance(answer, dict) and "response" in answer:
+            if self.answer_schema is not None:
+                return json.dumps(answer["response"], ensure_ascii=False), None
+            if isinstance(answer["response"], str):
+                return answer["response"], None
         return text, None
 
 
@@ -159,7 +170,7 @@ class NativePlan:
     streams_content = True   # text before a call is the model's, and is shown as it comes
 
     def __init__(self, request: ToolRequest, coordinator, messages: list[dict], limit: int | None):
-        self.choice = request.choice
+        self.choice, self.parameters = request.choice, request.parameters
         self.chat = coordinator.chat_apply({"messages": messages, "tools": request.tools,
                                             "tool_choice": request.choice,
                                             "parallel_tool_calls": request.parallel}, limit=limit)
@@ -199,7 +210,107 @@ class NativePlan:
                   "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}
                  for call in message.get("tool_calls") or []]
         content = message.get("content")
+        if not calls and self.choice == "auto" and content:
+            if partial:   # a call in a form of the model's own may be under way: it is not shown as text
+                return content[:held_from(content)], None
+            content, calls = loose_calls(content, self.parameters)
         return (content if content or not calls else None), (calls or None)
+
+
+# the first key of a call in a form of the model's own
+_CALL_KEYS = ("name", "tool_calls", "function")
+_FENCED = re.compile(r"```[a-z]*\s*\n?(.*?)```", re.S)
+
+
+def held_from(text: str) -> int:
+    """Where the part of a streaming TEXT begins that may be the start of a call in a form
+    of the model's own (a fence, a list, an object whose first key names a call), and is
+    held back until more text says; len(TEXT): none."""
+    for at, c in enumerate(text):
+        if c in "`[{" and _may_begin_call(text[at:]):
+            return at
+    return len(text)
+
+
+def _may_begin_call(s: str) -> bool:
+    """Whether S is, or may go on to be, the opening of a call: ```lang, [, {"name": (as
+    _CALL_KEYS), with any white space between."""
+    i, n = 0, len(s)
+
+    def space(i: int) -> int:
+        while i < n and s[i].isspace():
+            i += 1
+        return i
+    if s.startswith("```"):
+        i = 3
+        while i < n and s[i].isalpha():
+            i += 1
+    elif "```".startswith(s):
+        return True
+    i = space(i)
+    if i < n and s[i] == "[":
+        i = space(i + 1)
+    if i >= n:
+        return True
+    if s[i] != "{":
+        return False
+    i = space(i + 1)
+    if i >= n:
+        return True
+    if s[i] != '"':
+        return False
+    rest = s[i + 1:]
+    for key in _CALL_KEYS:
+        if (key + '"').startswith(rest):
+            return True
+        if rest.startswith(key + '"'):
+            j = i + 1 + len(key) + 1
+            while j < n and s[j].isspace():
+                j += 1
+            return j >= n or s[j] == ":"
+    return False
+
+
+def loose_calls(text: str, parameters: dict) -> tuple[str | None, list[dict] | None]:
+    """TEXT's (content, calls) where it holds calls in a form of the model's own: a JSON
+    object {"name", "arguments" (or "parameters")}, {"function": {...}} or {"tool_calls":
+    [...]}, or a list of them, bare or in a code fence, each naming a tool of PARAMETERS
+    with arguments that are an object holding its schema's required keys. Anything else
+    is content, as it came."""
+    blocks = [(m.start(), m.end(), m.group(1)) for m in _FENCED.finditer(text)]
+    stripped = text.strip()
+    if stripped[:1] in "{[":
+        blocks.append((text.index(stripped[0]), len(text), stripped))
+    for start, end, block in blocks:
+        calls = _calls_in(block, parameters)
+        if calls:
+            rest = (text[:start] + text[end:]).strip()
+            return rest or None, calls
+    return text, None
+
+
+def _calls_in(block: str, parameters: dict) -> list[dict] | None:
+    try:
+        found = json.loads(block)
+    except ValueError:
+        return None
+    if isinstance(found, dict) and isinstance(found.get("tool_calls"), list):
+        found = found["tool_calls"]
+    calls = []
+    for call in found if isinstance(found, list) else [found]:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = call["function"]
+        if not isinstance(call, dict) or call.get("name") not in parameters:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = _arguments(arguments)
+        required = parameters[call["name"]].get("required") or []
+        if not isinstance(arguments, dict) or not all(key in arguments for key in required):
+            return None
+        calls.append({"id": _call_id(), "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
+    return calls or None
 
 
 def plan_of(request: ToolRequest, caps: dict, coordinator, messages: list[dict], limit: int | None):
@@ -207,8 +318,11 @@ def plan_of(request: ToolRequest, caps: dict, coordinator, messages: list[dict],
     head, for a template that knows tools), or None: a plain chat (tool_choice none, on a
     template that does not know tools). A template that knows them is given them even
     with tool_choice none, as llama-server does: the calls and results of the
-    conversation are written in its format, and the model knows what it has called."""
-    if knows_tools(caps):
+    conversation are written in its format, and the model knows what it has called.
+    With a response_format the generic format is taken whatever the template: its one
+    grammar holds the answer to a call or to the format, which a template's own tool
+    grammar (lazy, waiting for its call's opening tag) cannot."""
+    if knows_tools(caps) and request.answer_schema is None:
         return NativePlan(request, coordinator, messages, limit)
     return GenericPlan(request) if request.choice != "none" else None
 
