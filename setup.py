@@ -24,8 +24,10 @@ setup(
     ],
     # the real OpenAI client and an agent framework's against meshnet serve; a real terminal
     # for meshnet chat; a real browser (Debian's chromium) driving the console
-    # the Ollama and Anthropic clients against its other APIs
+    # the Ollama and Anthropic clients against its other APIs; the agent frameworks people
+    # point at an OpenAI server (LangChain, pydantic-ai, the llm CLI)
     extras_require={"test": ["pytest>=7", "jsonschema>=4", "openai>=1.30", "pexpect>=4.8", "openai-agents>=0.24",
-                             "selenium>=4.20", "ollama>=0.4", "anthropic>=0.40"]},
+                             "selenium>=4.20", "ollama>=0.4", "anthropic>=0.40", "langchain-openai>=0.3",
+                             "pydantic-ai-slim[openai]>=1.0", "llm>=0.26"]},
     entry_points={"console_scripts": ["meshnet=meshnet.cli.main:main"]},
 )
