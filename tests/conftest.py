@@ -258,6 +258,19 @@ def serving(*args, env=None, ready_within=300):
     assert "Traceback" not in "".join(lines), "".join(lines)
 
 
+def post_json(url, path, body, key=None, timeout=60):
+    """POST a body (bytes as they are, or an object as JSON) to a server this test started,
+    with KEY as its bearer token: the status and the JSON answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + path, data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def _ready(url) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=10) as response:

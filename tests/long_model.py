@@ -13,7 +13,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 N_LAYER, HEAD_DIM = 2, 64
 
 
-def _value(field):
+def field_value(field):
     value = field.contents()
     kind = field.types[0]
     if kind == GGUFValueType.ARRAY:
@@ -36,7 +36,7 @@ def write_long_context_model(source: str | Path, target: str | Path, n_ctx_train
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value, kind, sub = _value(field)
+        value, kind, sub = field_value(field)
         if kind == GGUFValueType.ARRAY:
             if not value:
                 continue   # (the writer refuses an empty array; llama.cpp reads none as empty)

@@ -11,13 +11,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-
-def _value(field):
-    value = field.contents()
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        return value, kind, field.types[1] if len(field.types) > 1 else None
-    return value, kind, None
+from long_model import field_value
 
 
 def write_splits(source: str | Path, directory: str | Path, n_splits: int = 3) -> list[Path]:
@@ -31,7 +25,7 @@ def write_splits(source: str | Path, directory: str | Path, n_splits: int = 3) -
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value, kind, sub = _value(field)
+        value, kind, sub = field_value(field)
         if kind == GGUFValueType.ARRAY and not value:
             continue   # (the writer refuses an empty array; llama.cpp reads none as empty)
         writer.add_key_value(key, value, kind, sub_type=sub)

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
-from meshnet.serve.chat import answer_events, chat_answer, openai_chat_request
+from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, refused_field
 from meshnet.serve.completions import Completions
-from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError
+from meshnet.serve.openai import ApiError
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
           "tools", "tool_choice", "metadata", "thinking", "service_tier"}
@@ -35,18 +35,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata.user_id"}
 
 
-def _refused(field: str, why: str) -> ApiError:
-    return ApiError(400, f"{field} {why}", code=UNSUPPORTED_FIELD, param=field)
-
-
-def _bad(field: str, why: str) -> ApiError:
-    return ApiError(400, f"{field} {why}", code=errors.INVALID_ARGUMENT, param=field)
 
 
 def _known(obj: dict, fields: set[str], where: str) -> None:
     for name in obj:
         if name not in fields:
-            raise _refused(where + name, "is not a field meshnet serve takes")
+            raise refused_field(where + name, "is not a field meshnet serve takes")
 
 
 def _text_of(content, where: str) -> str:
@@ -54,16 +48,16 @@ def _text_of(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(where, "must be text or a list of text blocks")
+        raise bad_field(where, "must be text or a list of text blocks")
     texts = []
     for i, block in enumerate(content):
         at = f"{where}[{i}]"
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else None
-            raise _refused(at + ".type", f"{kind!r} is not supported by meshnet serve: it takes text blocks here")
+            raise refused_field(at + ".type", f"{kind!r} is not supported by meshnet serve: it takes text blocks here")
         _known(block, BLOCK_FIELDS["text"], at + ".")
         if not isinstance(block.get("text"), str):
-            raise _bad(at + ".text", "is required: the block's text")
+            raise bad_field(at + ".text", "is required: the block's text")
         texts.append(block["text"])
     return "".join(texts)
 
@@ -73,37 +67,37 @@ def _messages(messages, system) -> list[dict]:
     its tool calls, a user's tool_result blocks are tool messages (before its text)."""
     out = [{"role": "system", "content": _text_of(system, "system")}] if system else []
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a list of at least one message")
+        raise bad_field("messages", "must be a list of at least one message")
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(where, "must be an object")
+            raise bad_field(where, "must be an object")
         _known(m, {"role", "content"}, where + ".")
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
-            raise _bad(where + ".role", "must be user or assistant")
+            raise bad_field(where + ".role", "must be user or assistant")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise _bad(where + ".content", "must be text or a list of content blocks")
+            raise bad_field(where + ".content", "must be text or a list of content blocks")
         texts, calls, results = [], [], []
         for j, block in enumerate(blocks):
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in BLOCK_FIELDS or (kind == "tool_use" and role != "assistant") \
                     or (kind == "tool_result" and role != "user"):
-                raise _refused(at + ".type", f"{kind!r} is not supported by meshnet serve in a {role}'s message "
+                raise refused_field(at + ".type", f"{kind!r} is not supported by meshnet serve in a {role}'s message "
                                "(it takes text, an assistant's tool_use and a user's tool_result)")
             _known(block, BLOCK_FIELDS[kind], at + ".")
             if kind == "text":
                 texts.append(_text_of([block], at[:at.rindex("[")]))
             elif kind == "tool_use":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                    raise _bad(at, "needs an id and a name")
+                    raise bad_field(at, "needs an id and a name")
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
             else:
                 if not isinstance(block.get("tool_use_id"), str):
-                    raise _bad(at + ".tool_use_id", "is required: the tool_use this result answers")
+                    raise bad_field(at + ".tool_use_id", "is required: the tool_use this result answers")
                 text = _text_of(block.get("content") or "", at + ".content")
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": ("Error: " + text) if block.get("is_error") else text})
@@ -119,14 +113,14 @@ def _tools(tools, choice) -> dict:
     out: dict = {}
     if tools is not None:
         if not isinstance(tools, list):
-            raise _bad("tools", "must be a list")
+            raise bad_field("tools", "must be a list")
         functions = []
         for i, tool in enumerate(tools):
             where = f"tools[{i}]"
             if not isinstance(tool, dict):
-                raise _bad(where, "must be an object")
+                raise bad_field(where, "must be an object")
             if tool.get("type") not in (None, "custom"):
-                raise _refused(where + ".type", f"{tool.get('type')!r}: server tools are not supported by meshnet "
+                raise refused_field(where + ".type", f"{tool.get('type')!r}: server tools are not supported by meshnet "
                                "serve; give client tools (name, input_schema)")
             _known(tool, TOOL_FIELDS, where + ".")
             functions.append({"type": "function", "function": {
@@ -136,7 +130,7 @@ def _tools(tools, choice) -> dict:
             out["tools"] = functions
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise _bad("tool_choice.type", "must be auto, any, tool or none")
+            raise bad_field("tool_choice.type", "must be auto, any, tool or none")
         _known(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice.")
         kind = choice["type"]
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
@@ -151,14 +145,14 @@ def _tools(tools, choice) -> dict:
 def messages_request(body, model: str) -> dict:
     """Anthropic's /v1/messages body -> OpenAI's chat request fields; a field not taken is a 400."""
     if not isinstance(body, dict):
-        raise _bad("body", "must be a JSON object")
+        raise bad_field("body", "must be a JSON object")
     _known(body, FIELDS, "")
     for name, offs in OFF.items():
         if name in body and not any(type(body[name]) is type(v) and body[name] == v for v in offs):
-            raise _refused(name, f"is not supported by meshnet serve: leave it out, or send "
+            raise refused_field(name, f"is not supported by meshnet serve: leave it out, or send "
                            f"{' or '.join(json.dumps(v) for v in offs if v is not None)}")
     if body.get("max_tokens") is None:
-        raise _bad("max_tokens", "is required: the most tokens the answer may have")
+        raise bad_field("max_tokens", "is required: the most tokens the answer may have")
     fields = {"model": body.get("model"), "max_tokens": body["max_tokens"],
               "messages": _messages(body.get("messages"), body.get("system")),
               "stream": body.get("stream") is True}
@@ -169,7 +163,7 @@ def messages_request(body, model: str) -> dict:
         fields["stop"] = body["stop_sequences"]
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise _bad("metadata", "must be an object")
+        raise bad_field("metadata", "must be an object")
     _known(metadata, {"user_id"}, "metadata.")
     if metadata.get("user_id") is not None:
         fields["user"] = metadata["user_id"]
@@ -275,7 +269,7 @@ async def answer(completions: Completions, request: Request, model: str):
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError:
-            raise _bad("body", "is not JSON") from None
+            raise bad_field("body", "is not JSON") from None
         fields = messages_request(body, model)
         result = await chat_answer(completions, request, openai_chat_request(fields, NAMES), report)
     except (ApiError, MeshnetError) as e:

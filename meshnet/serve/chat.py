@@ -14,8 +14,19 @@ from pydantic import ValidationError
 from meshnet.core import errors
 from meshnet.core.conversation import prompt_tokens as chat_prompt_tokens
 from meshnet.serve.completions import Completions
-from meshnet.serve.openai import ApiError, ChatRequest, chat_messages, check_request, field_path, tool_request
+from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, ChatRequest, chat_messages, check_request, field_path, tool_request
 from meshnet.serve.tools import generic_message
+
+
+def refused_field(field: str, why: str) -> ApiError:
+    """A 400 for a field meshnet serve does not honour (or a value of it), named by FIELD as
+    the request's API names it."""
+    return ApiError(400, f"{field} {why}", code=UNSUPPORTED_FIELD, param=field)
+
+
+def bad_field(field: str, why: str) -> ApiError:
+    """A 400 for a field whose value is not what the API takes."""
+    return ApiError(400, f"{field} {why}", code=errors.INVALID_ARGUMENT, param=field)
 
 
 async def chat_answer(completions: Completions, request: Request, body: ChatRequest, report: dict | None = None):

@@ -18,12 +18,11 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from meshnet.core.version import version
-from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
-from meshnet.serve.chat import chat_answer, openai_chunks, openai_chat_request
+from meshnet.core.version import version
+from meshnet.serve.chat import bad_field, chat_answer, openai_chat_request, openai_chunks, refused_field
 from meshnet.serve.completions import Completions
-from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, CompletionRequest, check_request
+from meshnet.serve.openai import ApiError, CompletionRequest, check_request
 
 # Ollama's options -> OpenAI's (llama.cpp's) request fields: the ones meshnet honours
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
@@ -35,24 +34,18 @@ GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "raw", "fo
 MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "tool_name", "thinking"}
 
 
-def _refused(field: str, why: str = "is not supported by meshnet serve") -> ApiError:
-    return ApiError(400, f"{field} {why}", code=UNSUPPORTED_FIELD, param=field)
-
-
-def _bad(field: str, why: str) -> ApiError:
-    return ApiError(400, f"{field} {why}", code=errors.INVALID_ARGUMENT, param=field)
 
 
 def _object(body, where: str = "body") -> dict:
     if not isinstance(body, dict):
-        raise _bad(where, "must be a JSON object")
+        raise bad_field(where, "must be a JSON object")
     return body
 
 
 def _known(body: dict, fields: set[str], where: str = "") -> None:
     for name in body:
         if name not in fields:
-            raise _refused(where + name, "is not a field of Ollama's API that meshnet serve takes")
+            raise refused_field(where + name, "is not a field of Ollama's API that meshnet serve takes")
 
 
 def _sampling(body: dict) -> dict:
@@ -61,11 +54,11 @@ def _sampling(body: dict) -> dict:
     options = _object(body.get("options") or {}, "options")
     for name, value in options.items():
         if name not in OPTIONS:
-            raise _refused(f"options.{name}", "is not an option meshnet serve honours (it takes "
+            raise refused_field(f"options.{name}", "is not an option meshnet serve honours (it takes "
                            f"{', '.join(sorted(OPTIONS))})")
         if name == "num_predict":
             if not isinstance(value, int) or isinstance(value, bool) or not (value >= 1 or value in (-1, -2)):
-                raise _bad("options.num_predict", "must be a number of tokens, or -1 (no limit)")
+                raise bad_field("options.num_predict", "must be a number of tokens, or -1 (no limit)")
             if value >= 1:
                 out["max_tokens"] = value
         elif value is not None:
@@ -76,12 +69,12 @@ def _sampling(body: dict) -> dict:
     elif isinstance(fmt, dict):
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     elif fmt not in (None, ""):
-        raise _bad("format", 'must be "json" or a JSON schema')
+        raise bad_field("format", 'must be "json" or a JSON schema')
     if body.get("think") not in (None, False):
-        raise _refused("think", "is not supported by meshnet serve: it has no thinking mode; leave it out or false")
+        raise refused_field("think", "is not supported by meshnet serve: it has no thinking mode; leave it out or false")
     keep_alive = body.get("keep_alive")   # the model stays loaded while serve runs, whatever is asked
     if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
-        raise _bad("keep_alive", "must be a duration")
+        raise bad_field("keep_alive", "must be a duration")
     return out
 
 
@@ -90,20 +83,20 @@ def _messages(messages) -> list[dict]:
     tied to the call it answers (the earliest unanswered one of its name, as Ollama's
     templates read them in order)."""
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a list of at least one message")
+        raise bad_field("messages", "must be a list of at least one message")
     out, open_calls = [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         m = _object(m, where)
         _known(m, MESSAGE_FIELDS, where + ".")
         if m.get("images"):
-            raise _refused(where + ".images", "are not supported by meshnet serve: it runs text models")
+            raise refused_field(where + ".images", "are not supported by meshnet serve: it runs text models")
         if m.get("thinking"):
-            raise _refused(where + ".thinking", "is not supported by meshnet serve: it has no thinking mode")
+            raise refused_field(where + ".thinking", "is not supported by meshnet serve: it has no thinking mode")
         message = {"role": m.get("role"), "content": m.get("content", "")}
         if m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
-                raise _bad(where + ".tool_calls", "must be a list of calls")
+                raise bad_field(where + ".tool_calls", "must be a list of calls")
             calls = []
             for j, call in enumerate(m["tool_calls"]):
                 function = _object(_object(call, f"{where}.tool_calls[{j}]").get("function"),
@@ -120,7 +113,7 @@ def _messages(messages) -> list[dict]:
             match = next((k for k, (_, n) in enumerate(open_calls) if name is None or n == name), None)
             message["tool_call_id"] = open_calls.pop(match)[0] if match is not None else f"call_{i}"
         elif m.get("tool_name") is not None:
-            raise _bad(where + ".tool_name", "belongs to a tool message alone")
+            raise bad_field(where + ".tool_name", "belongs to a tool message alone")
         out.append(message)
     return out
 
@@ -140,7 +133,7 @@ def ollama_chat_request(body: dict, model: str) -> dict:
 def _model(asked, model: str) -> str:
     """Ollama's name for the model asked for: NAME and NAME:latest are one model."""
     if not isinstance(asked, str) or not asked:
-        raise _bad("model", "is required: the model's name (GET /api/tags lists it)")
+        raise bad_field("model", "is required: the model's name (GET /api/tags lists it)")
     strip = (lambda n: n[:-len(":latest")] if n.endswith(":latest") else n)
     return model if strip(asked) == strip(model) else asked
 
@@ -306,7 +299,7 @@ async def _json(request: Request):
     try:
         return json.loads(await request.body() or b"{}")
     except ValueError:
-        raise _bad("body", "is not JSON") from None
+        raise bad_field("body", "is not JSON") from None
 
 
 def _generate_request(body: dict, model: str) -> tuple[dict | None, bool]:
@@ -315,21 +308,21 @@ def _generate_request(body: dict, model: str) -> tuple[dict | None, bool]:
     _known(body, GENERATE_FIELDS)
     for name in ("suffix", "template", "context", "images"):
         if body.get(name):
-            raise _refused(name, {"suffix": "(fill in the middle) is not supported by meshnet serve",
+            raise refused_field(name, {"suffix": "(fill in the middle) is not supported by meshnet serve",
                                   "template": "is not supported: the model's own chat template is used",
                                   "context": "(the deprecated token context) is not supported: send the conversation "
                                              "to /api/chat",
                                   "images": "are not supported by meshnet serve: it runs text models"}[name])
     prompt, system = body.get("prompt") or "", body.get("system")
     if not isinstance(prompt, str) or not (system is None or isinstance(system, str)):
-        raise _bad("prompt", "and system must be text")
+        raise bad_field("prompt", "and system must be text")
     fields = dict(_sampling(body), model=_model(body.get("model"), model))
     if not prompt and not system:
         return None, False
     raw = body.get("raw") is True
     if raw:
         if system:
-            raise _bad("system", "has no place in a raw prompt: put it in the prompt")
+            raise bad_field("system", "has no place in a raw prompt: put it in the prompt")
         fields["prompt"] = prompt
     else:
         fields["messages"] = ([{"role": "system", "content": system}] if system else []) + \
@@ -346,7 +339,7 @@ async def _raw_completion(completions: Completions, request: Request, fields: di
     try:
         body = CompletionRequest.model_validate(fields)
     except ValidationError as e:
-        raise _bad("body", e.errors()[0]["msg"]) from None
+        raise bad_field("body", e.errors()[0]["msg"]) from None
     check_request(body)
     coordinator = completions.coordinator
     return await completions.answer(request, body, False,

@@ -17,11 +17,10 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
-from meshnet.serve.chat import answer_events, chat_answer, openai_chat_request
+from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, refused_field
 from meshnet.serve.completions import Completions
-from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError
+from meshnet.serve.openai import ApiError
 
 TAKEN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
          "tool_choice", "parallel_tool_calls", "text", "user", "prompt_cache_key", "metadata", "store",
@@ -34,26 +33,20 @@ OFF = {"store": (None, False), "reasoning": (None, {}), "truncation": (None, "di
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-def _refused(field: str, why: str) -> ApiError:
-    return ApiError(400, f"{field} {why}", code=UNSUPPORTED_FIELD, param=field)
-
-
-def _bad(field: str, why: str) -> ApiError:
-    return ApiError(400, f"{field} {why}", code=errors.INVALID_ARGUMENT, param=field)
 
 
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(where, "must be text or a list of content parts")
+        raise bad_field(where, "must be text or a list of content parts")
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise _refused(f"{where}[{i}].type", f"{kind!r} is not supported by meshnet serve: it takes text parts")
+            raise refused_field(f"{where}[{i}].type", f"{kind!r} is not supported by meshnet serve: it takes text parts")
         if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{i}].text", "is required")
+            raise bad_field(f"{where}[{i}].text", "is required")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -65,19 +58,19 @@ def _messages(input_, instructions) -> list[dict]:
     if isinstance(input_, str):
         return out + [{"role": "user", "content": input_}]
     if not isinstance(input_, list) or not input_:
-        raise _bad("input", "must be text or a list of items")
+        raise bad_field("input", "must be text or a list of items")
     for i, item in enumerate(input_):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _bad(where, "must be an object")
+            raise bad_field(where, "must be an object")
         kind = item.get("type", "message")
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
-                raise _bad(where + ".role", "must be user, system, developer or assistant")
+                raise bad_field(where + ".role", "must be user, system, developer or assistant")
             out.append({"role": item["role"], "content": _text(item.get("content"), where + ".content")})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise _bad(where, "a function_call needs call_id, name and arguments")
+                raise bad_field(where, "a function_call needs call_id, name and arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
@@ -86,11 +79,11 @@ def _messages(input_, instructions) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise _bad(where + ".call_id", "is required: the function_call this output answers")
+                raise bad_field(where + ".call_id", "is required: the function_call this output answers")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"),
                                                                                          where + ".output")})
         else:
-            raise _refused(where + ".type", f"{kind!r} is not supported by meshnet serve: it takes messages, "
+            raise refused_field(where + ".type", f"{kind!r} is not supported by meshnet serve: it takes messages, "
                            "function_call and function_call_output items")
     return out
 
@@ -98,15 +91,15 @@ def _messages(input_, instructions) -> list[dict]:
 def responses_request(body) -> dict:
     """The Responses API's body -> Chat Completions' request fields; a field not taken is a 400."""
     if not isinstance(body, dict):
-        raise _bad("body", "must be a JSON object")
+        raise bad_field("body", "must be a JSON object")
     for name, value in body.items():
         if name == "previous_response_id" and value is not None:
-            raise _refused(name, "is not supported: meshnet serve keeps no responses; send the conversation as "
+            raise refused_field(name, "is not supported: meshnet serve keeps no responses; send the conversation as "
                            "input items")
         if name not in TAKEN and name != "previous_response_id":
-            raise _refused(name, "is not a field of the Responses API that meshnet serve takes")
+            raise refused_field(name, "is not a field of the Responses API that meshnet serve takes")
         if name in OFF and not any(type(value) is type(v) and value == v for v in OFF[name]):
-            raise _refused(name, "is not supported by meshnet serve: leave it out, or send "
+            raise refused_field(name, "is not supported by meshnet serve: leave it out, or send "
                            + " or ".join(json.dumps(v) for v in OFF[name]))
     fields = {"model": body.get("model"), "messages": _messages(body.get("input"), body.get("instructions")),
               "stream": body.get("stream") is True}
@@ -120,13 +113,13 @@ def responses_request(body) -> dict:
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise _bad("tool_choice", 'must be auto, none, required or {"type": "function", "name": ...}')
+            raise bad_field("tool_choice", 'must be auto, none, required or {"type": "function", "name": ...}')
         fields["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     elif choice is not None:
         fields["tool_choice"] = choice
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if body.get("text") is not None and not isinstance(body.get("text"), dict):
-        raise _bad("text", 'must be an object: {"format": {...}}')
+        raise bad_field("text", 'must be an object: {"format": {...}}')
     if fmt is not None and fmt.get("type") != "text":
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         fields["response_format"] = {"type": fmt.get("type")} | ({"json_schema": schema}
@@ -138,7 +131,7 @@ def responses_request(body) -> dict:
 
 def _list(value, where: str) -> list:
     if not isinstance(value, list):
-        raise _bad(where, "must be a list")
+        raise bad_field(where, "must be a list")
     return value
 
 
@@ -146,10 +139,10 @@ def _function(tool, i: int) -> dict:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise _refused(where + ".type", f"{kind!r}: only function tools are supported by meshnet serve")
+        raise refused_field(where + ".type", f"{kind!r}: only function tools are supported by meshnet serve")
     for name in tool:
         if name not in ("type", "name", "description", "parameters", "strict"):
-            raise _refused(f"{where}.{name}", "is not a field meshnet serve takes")
+            raise refused_field(f"{where}.{name}", "is not a field meshnet serve takes")
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
                                              if k in tool}}
 
@@ -275,7 +268,7 @@ async def answer(completions: Completions, request: Request, model: str):
     try:
         body = json.loads(await request.body() or b"{}")
     except ValueError:
-        raise _bad("body", "is not JSON") from None
+        raise bad_field("body", "is not JSON") from None
     fields = responses_request(body)
     shape = _Response(body, model)
     try:

@@ -5,7 +5,6 @@ files laid out as the splits; a coordinator without the files vouches for a hold
 splits by hashing them, and refuses a holder whose one split is changed."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from meshnet.weights.fetch import HolderAddress
 from meshnet.weights.holder import Holder
 from meshnet.weights.vouch import NotTheModel, check_holder
 
-from conftest import THREADS, generated_models, track
+from conftest import THREADS, generated_models, stop_group, track
 from peers import wait_until
 from split_model import write_splits
 
@@ -91,13 +90,7 @@ class Mesh:
 
     def close(self):
         for process in reversed(self.started):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(30)
+            stop_group(process, grace=30)
         self.coordinator.close()
         self.host.close()
 

@@ -12,9 +12,8 @@ import jsonschema
 import ollama
 import openai
 import pytest
-import urllib.request
 
-from conftest import serving
+from conftest import post_json, serving
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
@@ -190,13 +189,7 @@ def test_messages_refuse_what_they_cannot_honour_in_anthropic_s_error_shape(anth
 # ---- llama-server's /tokenize and /detokenize
 
 def post(url, path, body):
-    request = urllib.request.Request(url + path, json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, path, body, KEY)
 
 
 def test_tokenize_and_detokenize_round_trip_and_refuse_a_token_outside_the_vocabulary(url):

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import serving
+from conftest import post_json, serving
 
 MODEL = "smollm2"
 KEY = "test-key-" + os.urandom(4).hex()
@@ -40,15 +40,7 @@ def health(url):
 
 
 def post(url, path, body):
-    """POST a body (bytes as they are, or an object as JSON): the status and the JSON answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, path, body, KEY)
 
 
 def text_of(answer):
