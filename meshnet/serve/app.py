@@ -31,6 +31,7 @@ from meshnet.serve import anthropic_api, console, ollama_api, responses_api
 from meshnet.serve.admission import Admission
 from meshnet.serve.completions import Completions, route_limits
 from meshnet.serve.chat import chat_answer
+from meshnet.serve.choices import answer_choices
 from meshnet.serve.openai import (TOO_LARGE, UNSUPPORTED_FIELD, ApiError, ChatRequest, CompletionRequest,
                                   check_request, field_path, not_utf8)
 
@@ -174,7 +175,7 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
-        return await chat_answer(completions, request, body)
+        return await answer_choices(body, lambda one: chat_answer(completions, request, one))
 
     @v1.post("/embeddings")
     async def embeddings():   # a clear no, where a 404 would read as a wrong address
@@ -196,9 +197,8 @@ def _v1(coordinator, model: str, completions: Completions, authorize) -> APIRout
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise ApiError(400, "prompt must be one text (one choice per request)", param="prompt")
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        return await completions.answer(request, body, False,
-                                        lambda limit: (None, coordinator.tokenize(prompt, limit=limit)),
-                                        body.token_limit())
+        return await answer_choices(body, lambda one: completions.answer(
+            request, one, False, lambda limit: (None, coordinator.tokenize(prompt, limit=limit)), one.token_limit()))
 
     return v1
 

@@ -23,7 +23,7 @@ from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.core.sampling import Sampling
 from meshnet.serve.admission import Admission, ClientGone
-from meshnet.serve.openai import UNSUPPORTED_FIELD, ApiError, choice, logprobs_of, sampling_of, sse
+from meshnet.serve.openai import ApiError, choice, logprobs_of, sampling_of, sse
 from meshnet.serve.tools import ToolRequest, plan_of
 
 SETTLE_S = 2.0
@@ -248,9 +248,8 @@ class Completions:
         if body.model != self.model:
             raise ApiError(404, f"the model '{body.model}' does not exist here: this server serves '{self.model}'",
                            code="model_not_found", param="model")
-        if body.n not in (None, 1):
-            raise ApiError(400, f"n must be 1 (one choice per request), not {body.n}", code=UNSUPPORTED_FIELD,
-                           param="n")
+        if body.n not in (None, 1):   # (n choices are n answers: serve/choices.py)
+            raise ApiError(400, f"n must be 1 here, not {body.n}", code=errors.INVALID_ARGUMENT, param="n")
         sampling = None if tools else sampling_of(body)
         start = asyncio.ensure_future(self._start(request, body, chat, prepare, max_tokens, tools, sampling, report))
         handed_on = False   # to a stream that goes on waiting for it

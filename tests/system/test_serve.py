@@ -269,7 +269,7 @@ def test_64_concurrent_streams_beyond_the_session_slots_wait_their_turn_and_all_
     ({"model": MODEL, "messages": "hello"}, "messages"),                          # the wrong type
     ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": "4"}, "max_tokens"),
     ({"model": MODEL, "messages": [], "max_tokens": 4}, "messages"),
-    ({"model": MODEL, "messages": QUESTION, "n": 2}, "n"),
+    ({"model": MODEL, "messages": QUESTION, "n": 9}, "n"),                        # over MAX_CHOICES
     ({"model": MODEL, "messages": QUESTION, "temperature": -1}, "temperature"),
     ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, "top_p"),
     ({"model": MODEL, "messages": QUESTION, "seed": -3, "temperature": 0.5}, "seed"),

@@ -198,3 +198,26 @@ def test_tokenize_and_detokenize_round_trip_and_refuse_a_token_outside_the_vocab
     assert post(url, "/detokenize", tokens) == (200, {"content": ASK})
     status, refused = post(url, "/detokenize", {"tokens": [1 << 30]})
     assert status == 400 and refused["error"]["code"] == "bad_token"
+
+
+# ---- n choices of one request (OpenAI's n), each a session of its own
+
+def test_n_choices_are_n_seeded_answers_whole_and_streamed(openai_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=12, temperature=0.9, seed=11)
+    whole = openai_client.chat.completions.create(n=3, **kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    # choice i is the answer drawn with seed + i
+    alone = [openai_client.chat.completions.create(**dict(kwargs, seed=11 + i)) for i in range(3)]
+    singles = [a.choices[0].message.content for a in alone]
+    assert [c.message.content for c in whole.choices] == singles
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens   # the prompt counted once
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(openai_client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True},
+                                                        **kwargs))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)]
+    assert texts == singles and len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    text = openai_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, n=2,
+                                            temperature=0.9, seed=5)
+    assert [c.index for c in text.choices] == [0, 1]

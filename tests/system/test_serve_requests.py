@@ -130,7 +130,6 @@ NOT_HONOURED = [   # (param, a request refused for it, requests at its "off" val
     ("echo", completion(echo=True), [completion(echo=False)]),
     ("best_of", completion(best_of=2), [completion(best_of=1)]),
     ("suffix", completion(suffix=" The end."), [completion(suffix=None)]),
-    ("n", chat(n=2), [chat(n=1), chat(n=None)]),
     ("max_token", chat(max_token=5), []),   # a misspelt field is not ignored either
     ("prompt", chat(prompt="Hi"), []),
     ("messages", completion(messages=[{"role": "user", "content": "Hi"}]), []),
