@@ -88,5 +88,7 @@ class Hub:
             h.wfile.write(data)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join()

@@ -3,12 +3,15 @@ takes them: the repository's GGUF of that quantization (Q4_K_M when none is name
 llama.cpp picks, else the first), every split of a model written as several files, each
 downloaded by huggingface_hub (its cache, resumed where a download stopped, HF_ENDPOINT
 and HF_TOKEN as it reads them) and checked against the sha256 the hub gives for the file
-(its LFS object's): a file whose bytes are not that is deleted from the cache and refused."""
+(its LFS object's): a file whose bytes are not that is deleted from the cache and refused.
+With the hub away (or HF_HUB_OFFLINE), the newest cached copy is taken, checked against
+the sha256 its cached blob is named by."""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -72,8 +75,14 @@ def fetch(spec: str, sha256_of: Callable[[Path], str]) -> Path:
         os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"), "hub")
     try:
         info = HfApi(endpoint=endpoint).model_info(repo, files_metadata=True)
-    except Exception as e:   # as a download's: the hub's answer, or no answer at all
-        raise MeshnetError(errors.MODEL_SOURCE, f"the Hugging Face hub could not list {repo}: {_said(e)}") from None
+    except Exception as e:   # as a download's: the hub's answer, or no answer at all (HF_HUB_OFFLINE too)
+        cached = _from_cache(Path(os.path.expanduser(cache)), repo, selector, sha256_of)
+        if cached is None:
+            raise MeshnetError(errors.MODEL_SOURCE, f"the Hugging Face hub could not list {repo} ({_said(e)}), and "
+                               f"no copy of it is in the cache at {cache}") from None
+        print(f"meshnet: the Hugging Face hub could not list {repo}; running its copy in the cache, {cached}",
+              file=sys.stderr)
+        return cached
     siblings = {s.rfilename: s for s in info.siblings or []}
     files = choose(list(siblings), selector)
     if not files:
@@ -98,6 +107,29 @@ def fetch(spec: str, sha256_of: Callable[[Path], str]) -> Path:
                                f"{lfs.sha256}: it is deleted; run it again to download it anew")
         paths.append(path)
     return paths[0]
+
+
+def _from_cache(cache: Path, repo: str, selector: str | None, sha256_of: Callable[[Path], str]) -> Path | None:
+    """The model's first file from huggingface_hub's cache, when the hub cannot be asked:
+    the newest snapshot that holds every file SELECTOR picks, each checked against the
+    name of the blob it links to (an LFS blob is named by its sha256)."""
+    snapshots = cache / ("models--" + repo.replace("/", "--")) / "snapshots"
+    try:
+        found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return None
+    for snapshot in found:
+        files = choose([str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf") if p.is_file()], selector)
+        if not files:
+            continue
+        for name in files:
+            path = snapshot / name
+            blob = path.resolve().name
+            if sha256_of(path) != blob:
+                raise MeshnetError(errors.MODEL_CHECKSUM, f"the cached {repo}/{name} does not have the sha256 its "
+                                   f"blob is named by ({blob}): the cache is damaged; delete {path.resolve()}")
+        return snapshot / files[0]
+    return None
 
 
 def _ggufs(files: list[str]) -> list[str]:

@@ -171,3 +171,19 @@ def test_an_ollama_name_not_in_the_store_or_a_damaged_blob_is_refused(env, tmp_p
     with pytest.raises(MeshnetError) as gone:
         models.resolve("ollama:tiny")
     assert gone.value.code == "model_source"
+
+
+def test_with_the_hub_away_the_cached_copy_runs_and_a_damaged_one_is_refused(hub, env):
+    path, sha = models.resolve(f"hf:{REPO}")
+    hub.close()   # no hub now: its address refuses connections
+    assert models.resolve(f"hf:{REPO}") == (path, sha)
+    with pytest.raises(MeshnetError) as nothing:
+        models.resolve(f"hf:{REPO}:F32")   # never downloaded
+    assert nothing.value.code == "model_source" and "no copy of it is in the cache" in nothing.value.message
+    blob = path.resolve()
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(MeshnetError) as damaged:
+        models.resolve(f"hf:{REPO}")
+    assert damaged.value.code == "model_checksum"
