@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
-from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, refused_field
+from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, read_json, refused_field
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import ApiError
 
@@ -266,11 +266,7 @@ async def answer(completions: Completions, request: Request, model: str):
     """POST /v1/messages."""
     report: dict = {}
     try:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise bad_field("body", "is not JSON") from None
-        fields = messages_request(body, model)
+        fields = messages_request(await read_json(request), model)
         result = await chat_answer(completions, request, openai_chat_request(fields, NAMES), report)
     except (ApiError, MeshnetError) as e:
         return error_response(e)

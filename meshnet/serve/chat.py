@@ -29,6 +29,15 @@ def bad_field(field: str, why: str) -> ApiError:
     return ApiError(400, f"{field} {why}", code=errors.INVALID_ARGUMENT, param=field)
 
 
+async def read_json(request: Request):
+    """The request's JSON body (an empty one: {}); a body that is not JSON, or is nested past
+    what the parser takes (json's recursion: a hostile "[[[[...") is a 400, not a 500."""
+    try:
+        return json.loads(await request.body() or b"{}")
+    except (ValueError, RecursionError):
+        raise bad_field("body", "is not JSON (or is nested deeper than a request can be)") from None
+
+
 async def chat_answer(completions: Completions, request: Request, body: ChatRequest, report: dict | None = None):
     check_request(body)
     tools = tool_request(body)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.version import version
-from meshnet.serve.chat import bad_field, chat_answer, openai_chat_request, openai_chunks, refused_field
+from meshnet.serve.chat import bad_field, chat_answer, openai_chat_request, openai_chunks, read_json, refused_field
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import ApiError, CompletionRequest, check_request
 
@@ -229,7 +229,7 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
     async def answer(request: Request, generate: bool):
         began = time.monotonic()
         try:
-            body = _object(await _json(request))
+            body = _object(await read_json(request))
             if generate:
                 fields, raw = _generate_request(body, model)
                 if fields is None:   # no prompt: Ollama loads the model and says so
@@ -276,7 +276,8 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
     @api.post("/show")
     async def show(request: Request):
         try:
-            body = _object(await _json(request))
+            body = _object(await read_json(request))
+            _known(body, {"model", "name", "verbose"})
             asked = body.get("model", body.get("name"))
             if _model(asked, model) != model:
                 raise ApiError(404, f"model '{asked}' not found: this server serves '{model}'", code="model_not_found")
@@ -294,12 +295,6 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
 
     return api
 
-
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise bad_field("body", "is not JSON") from None
 
 
 def _generate_request(body: dict, model: str) -> tuple[dict | None, bool]:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from meshnet.core.errors import MeshnetError
-from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, refused_field
+from meshnet.serve.chat import answer_events, bad_field, chat_answer, openai_chat_request, read_json, refused_field
 from meshnet.serve.completions import Completions
 from meshnet.serve.openai import ApiError
 
@@ -265,10 +265,7 @@ async def _events(response, shape: _Response):
 
 async def answer(completions: Completions, request: Request, model: str):
     """POST /v1/responses."""
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise bad_field("body", "is not JSON") from None
+    body = await read_json(request)
     fields = responses_request(body)
     shape = _Response(body, model)
     try:

@@ -221,3 +221,20 @@ def test_n_choices_are_n_seeded_answers_whole_and_streamed(openai_client):
     text = openai_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, n=2,
                                             temperature=0.9, seed=5)
     assert [c.index for c in text.choices] == [0, 1]
+
+
+# ---- hostile bodies: a 400 in each API's shape, never a 500, and the server goes on
+
+DEEP = b'{"model": "smollm2", "messages": ' + b"[" * 50000 + b"]" * 50000 + b"}"
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/api/show", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("body", [DEEP, b"[1, 2]", b"{not json", json.dumps({"model": MODEL, "messages": "hi",
+                                                                            "input": 7, "prompt": [], "max_tokens": 4}).encode()],
+                         ids=["nested-50000-deep", "a-list", "not-json", "wrong-types"])
+def test_a_hostile_body_is_a_400_in_the_api_s_own_shape(url, path, body):
+    status, answer = post(url, path, body)
+    assert status == 400, answer
+    message = (answer["error"] if isinstance(answer["error"], str) else answer["error"]["message"])
+    assert message and ("type" not in answer or answer["type"] == "error")
+    assert post(url, "/tokenize", {"content": "still here"})[0] == 200
