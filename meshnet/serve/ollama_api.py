@@ -28,6 +28,8 @@ from meshnet.serve.openai import ApiError, CompletionRequest, check_request
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
            "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty", "stop": "stop", "num_predict": "max_tokens"}
+# OpenAI's name of a field -> Ollama's, for the 400 that names it
+NAMES = {**{ours: f"options.{theirs}" for theirs, ours in OPTIONS.items()}, "response_format": "format"}
 CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think"}
 GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "raw", "format", "options", "stream",
                    "keep_alive", "think", "context", "images"}
@@ -240,7 +242,7 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
             if raw:
                 result = await _raw_completion(completions, request, fields)
             else:
-                result = await chat_answer(completions, request, openai_chat_request(fields))
+                result = await chat_answer(completions, request, openai_chat_request(fields, NAMES))
         except (ApiError, MeshnetError) as e:
             return _error(e)
         if isinstance(result, StreamingResponse):

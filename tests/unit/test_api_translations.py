@@ -128,3 +128,12 @@ def test_responses_input_items_in_openai_s_terms():
 ])
 def test_responses_fields_meshnet_cannot_honour_are_refused_by_name(body, field):
     assert refused(responses_request, {"model": "m", "input": "x", **body}).param == field
+
+
+def test_a_bad_value_is_named_as_the_api_names_it():
+    from meshnet.serve.chat import openai_chat_request
+    from meshnet.serve.ollama_api import NAMES
+
+    fields = ollama_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                  "options": {"temperature": "hot"}}, "m")
+    assert refused(lambda f: openai_chat_request(f, NAMES), fields).param == "options.temperature"
