@@ -25,8 +25,12 @@ from meshnet.core.layers import LayerRange
 
 # Per worker process, beside what the engine allocates: Python, numpy, ZeroMQ, the engine
 # library and the stage loop's buffers. Peak RSS less the engine's share measured 92-101 MiB
-# (tools/plan_rss.py at 16k context: SmolLM2, generated jamba, qwen3moe and nemotron_h models).
-OVERHEAD = 96 << 20
+# (tools/plan_rss.py at 16k context: SmolLM2, generated jamba, qwen3moe and nemotron_h models);
+# a Qwen2.5-Coder-1.5B head of 26 layers (estimated 998 MiB with 96 of overhead) held
+# 1021-1026 MiB, over its 1 GiB node by up to 2 MiB. A stage that does not fit is a machine
+# that swaps or kills the worker: this keeps a layer's room (26 MiB there) beside the largest
+# overhead measured, as `meshnet plan --overhead` always said (128M).
+OVERHEAD = 128 << 20
 # the graph's own bookkeeping beside its tensors; with it the estimate of weights + KV +
 # compute is within 2% of what the engine reports (SmolLM2 and Qwen2.5-1.5B, head/tail)
 COMPUTE_SLACK = 4 << 20
