@@ -35,8 +35,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata.user_id"}
 
 
-
-
 def _known(obj: dict, fields: set[str], where: str) -> None:
     for name in obj:
         if name not in fields:

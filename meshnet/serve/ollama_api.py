@@ -36,8 +36,6 @@ GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "raw", "fo
 MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "tool_name", "thinking"}
 
 
-
-
 def _object(body, where: str = "body") -> dict:
     if not isinstance(body, dict):
         raise bad_field(where, "must be a JSON object")
@@ -296,7 +294,6 @@ def routes(completions: Completions, model: str, facts: dict, authorize) -> APIR
         return {"version": version()}
 
     return api
-
 
 
 def _generate_request(body: dict, model: str) -> tuple[dict | None, bool]:

@@ -33,8 +33,6 @@ OFF = {"store": (None, False), "reasoning": (None, {}), "truncation": (None, "di
 NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-
-
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
