@@ -2,6 +2,7 @@
 wants, and a fake worker to send a real coordinator whatever a test wants. They are the
 input of the thing under test (an attacker, a silent peer), never a stand-in for our code."""
 
+import random
 import socket
 import subprocess
 import sys
@@ -18,10 +19,38 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 KEY = 0x5EC2E7           # the session key a fake coordinator gives its sessions
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> range:
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(width: int = 1) -> int:
+    """A port P with P .. P+WIDTH-1 free now, for a server a test starts with its address
+    on the command line. Never one the kernel hands out (bind to port 0 does): between this
+    check and the server's bind, any outgoing connection (a worker's fetch, a heartbeat)
+    may be given an ephemeral port as its own end, and a server then fails with 'Address
+    already in use' (a clean-clone CI run lost two-host.sh's second worker that way)."""
+    ephemeral = ephemeral_ports()
+    below = max(1025, min(ephemeral.start, 65536 - width))
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1025, below // 2), below - width + 1)
+        if any(p in ephemeral for p in range(port, port + width)):
+            continue
+        sockets = [socket.socket() for _ in range(width)]
+        try:
+            for offset, s in enumerate(sockets):
+                s.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {width} free port(s) below the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 def wait_until(predicate, timeout=10.0):

@@ -6,7 +6,6 @@ MESHNET_SCREENSHOTS=DIR the page's screenshots are kept there (the evidence run'
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 
 from conftest import THREADS, serving, stop_group, track
+from peers import free_port
 
 MODEL = "smollm2"
 KEY = "console-key-" + os.urandom(4).hex()
 WAIT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(address, layers, path):

@@ -7,7 +7,6 @@ auto`), in front of a real `meshnet coordinator`."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ import time
 import pytest
 
 from conftest import THREADS, meshnet, run_bounded, stop_group, track
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from peers import free_port
 
 
 @pytest.mark.parametrize("layers", [["--layers", "0:30"], ["--layers", "auto", "--mem", "2G"]], ids=["given", "auto"])

@@ -7,7 +7,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from meshnet.engine.gguf_layout import read_layout
 
 from conftest import MARK, left_behind, marked, run_bounded, stop_group
+from peers import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "two-host.sh"
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
@@ -183,26 +183,6 @@ def fake_ssh(tmp_path):
                    'while [ "$1" = -o ]; do shift 2; done\nshift\nexec sh -c "$*"\n')
     ssh.chmod(0o755)
     return str(ssh)
-
-
-def free_port(width: int = 1) -> int:
-    """A port P with P .. P+WIDTH-1 free now: both workers on one address take the data
-    port and the one after it (two-host.sh), and the one after a random free port may be
-    any other socket's."""
-    while True:
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            others = [socket.socket() for _ in range(width - 1)]
-            try:
-                for offset, other in enumerate(others, 1):
-                    other.bind(("127.0.0.1", port + offset))
-                return port
-            except OSError:
-                continue
-            finally:
-                for other in others:
-                    other.close()
 
 
 def hosts(tmp_path, **flags):
