@@ -2,7 +2,8 @@
 it answers the paths huggingface_hub asks (`/api/models/REPO[/revision/REV]` with each
 file's LFS sha256, and `HEAD`/`GET /REPO/resolve/REV/FILE` with ranges) for the files a
 test gives it, and can cut a file's responses short (a download that stops, as a
-connection drops) or serve it with bytes changed (a corrupt download). Point HF_ENDPOINT at `hub.endpoint`."""
+connection drops), hold one mid-file until it is closed (a download its process is killed
+in), or serve it with bytes changed (a corrupt download). Point HF_ENDPOINT at `hub.endpoint`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class Hub:
     def __init__(self, repo: str, files: dict[str, bytes]):
         self.repo, self.files = repo, files
         self.cuts: dict[str, list[int]] = {}   # a file's next GETs stop after these many bytes, one each
+        self.stalls: dict[str, int] = {}    # a file's GETs send this many bytes, then wait for close()
+        self.closing = threading.Event()
         self.corrupt: set[str] = set()      # files served with a byte flipped (the API keeps the true sha256)
         self.requests: list[tuple[str, str, str | None]] = []   # (method, path, Range)
         self.served: dict[str, int] = {}    # bytes of each file sent
@@ -62,8 +65,9 @@ class Hub:
             start = int(rm[1])
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         part = data[start:]
-        if body and self.cuts.get(name):
-            sent = part[:self.cuts[name].pop(0)]
+        stall = self.stalls.get(name)
+        if body and (self.cuts.get(name) or stall is not None):
+            sent = part[:self.cuts[name].pop(0) if self.cuts.get(name) else stall]
             h.send_response(206 if start else 200)
             for k, v in {**headers, "Content-Length": str(len(part))}.items():
                 h.send_header(k, v)
@@ -71,6 +75,8 @@ class Hub:
             h.wfile.write(sent)
             h.wfile.flush()
             self.served[name] = self.served.get(name, 0) + len(sent)
+            if stall is not None:
+                self.closing.wait()
             h.close_connection = True
             h.connection.shutdown(2)   # the connection drops mid-file
             return
@@ -88,6 +94,7 @@ class Hub:
             h.wfile.write(data)
 
     def close(self) -> None:
+        self.closing.set()
         if self.thread.is_alive():
             self.server.shutdown()
             self.server.server_close()

@@ -1,8 +1,8 @@
 """Models by their Hugging Face name, `hf:ORG/REPO[:QUANT|:FILE]`, as llama.cpp's `-hf`
 takes them: the repository's GGUF of that quantization (Q4_K_M when none is named, as
 llama.cpp picks, else the first), every split of a model written as several files, each
-downloaded by huggingface_hub (its cache, resumed where a download stopped, HF_ENDPOINT
-and HF_TOKEN as it reads them) and checked against the sha256 the hub gives for the file
+downloaded into huggingface_hub's cache (HF_ENDPOINT and HF_TOKEN as it reads them),
+resumed where an earlier run stopped, and checked against the sha256 the hub gives for the file
 (its LFS object's): a file whose bytes are not that is deleted from the cache and refused.
 With the hub away (or HF_HUB_OFFLINE), the newest cached copy is taken, checked against
 the sha256 its cached blob is named by."""
@@ -95,6 +95,7 @@ def fetch(spec: str, sha256_of: Callable[[Path], str]) -> Path:
             raise MeshnetError(errors.MODEL_SOURCE, f"the hub gives no sha256 for {repo}/{name}, so it cannot be "
                                "checked: it is not taken")
         try:
+            _resume_blob(repo, name, info.sha, lfs, endpoint, Path(os.path.expanduser(cache)))
             path = Path(hf_hub_download(repo, name, revision=info.sha, endpoint=endpoint,
                                         cache_dir=os.path.expanduser(cache)))
         except Exception as e:   # huggingface_hub's, its HTTP client's (a dropped connection), the disk's
@@ -107,6 +108,40 @@ def fetch(spec: str, sha256_of: Callable[[Path], str]) -> Path:
                                f"{lfs.sha256}: it is deleted; run it again to download it anew")
         paths.append(path)
     return paths[0]
+
+
+def _resume_blob(repo: str, name: str, revision: str, lfs, endpoint: str | None, cache: Path) -> None:
+    """NAME's bytes into the cache as the blob its sha256 names, continuing the part an
+    earlier run left; hf_hub_download then finds the blob and only links it into the
+    snapshot. huggingface_hub itself resumes only within a run: each download goes to a
+    file of its own, deleted when it fails, so a run that stops (a closed laptop, ^C, a
+    dropped line past its retries) would start a file of tens of GB again. The part is kept
+    under its sha256, so it only ever continues the same bytes, and the hub's HTTP path is
+    taken (as llama.cpp's -hf does) even where the repository is stored by Xet."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    folder = "models--" + repo.replace("/", "--")
+    blob = cache / folder / "blobs" / lfs.sha256
+    part = blob.with_name(blob.name + ".meshnet-part")
+    lock = cache / ".locks" / folder / f"{lfs.sha256}.lock"   # the lock huggingface_hub takes for this blob
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):
+        if blob.exists():
+            return
+        part.touch()
+        with open(part, "r+b") as f:
+            have = f.seek(0, os.SEEK_END)
+            if have > lfs.size:   # not a part of this file
+                f.truncate(0)
+                have = f.seek(0)
+            if have:
+                print(f"meshnet: resuming {repo}/{name} at {have} of {lfs.size} bytes", file=sys.stderr)
+            http_get(hf_hub_url(repo, name, revision=revision, endpoint=endpoint), f, resume_size=have,
+                     headers=build_hf_headers(), expected_size=lfs.size, displayed_filename=name)
+        os.replace(part, blob)
 
 
 def _from_cache(cache: Path, repo: str, selector: str | None, sha256_of: Callable[[Path], str]) -> Path | None:

@@ -6,7 +6,11 @@ model runs from its blob, not a copy."""
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,9 @@ import pytest
 from meshnet.core.errors import MeshnetError
 from meshnet.engine import models
 
-from conftest import generated_models, last_json_line, meshnet
+from conftest import generated_models, last_json_line, meshnet, track
 from hub_server import Hub
+from peers import wait_for
 from split_model import write_splits
 
 REPO = "meshnet-test/tiny-GGUF"
@@ -97,16 +102,45 @@ def test_a_download_whose_connection_drops_resumes_where_it_stopped(hub, env):
     assert hub.served["big-Q4_K_M.gguf"] == len(big) + (1 << 20)   # the drop cost only the piece it cut
 
 
-def test_a_download_that_cannot_finish_says_so_and_leaves_no_partial_file(hub, env):
+def parts(env) -> list[Path]:
+    return [p for p in Path(env["HF_HOME"]).rglob("*.meshnet-part")]
+
+
+def test_a_download_that_cannot_finish_keeps_what_it_had_and_the_next_run_goes_on_from_there(hub, env):
     big = Path(generated_models()["hy_v3-moe"]).read_bytes()
     hub.files["big-Q4_K_M.gguf"] = big
     del hub.files["tiny-Q4_K_M.gguf"]
-    hub.cuts["big-Q4_K_M.gguf"] = [1 << 20] * 6   # no piece ever arrives whole: huggingface_hub gives up
+    # a piece arrives, then no try gets a whole piece more: huggingface_hub's retries give up
+    hub.cuts["big-Q4_K_M.gguf"] = [CHUNK + (1 << 20)] + [1 << 20] * 6
     with pytest.raises(MeshnetError) as stopped:
         models.resolve(f"hf:{REPO}")
-    assert stopped.value.code == "model_source" and "run it again" in stopped.value.message
-    assert not [p for p in Path(env["HF_HOME"]).rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+    assert stopped.value.code == "model_source" and "run it again to resume" in stopped.value.message
+    assert [p.stat().st_size for p in parts(env)] == [CHUNK]
+    hub.cuts.clear()
+    hub.requests.clear()
     assert models.resolve(f"hf:{REPO}")[1] == hashlib.sha256(big).hexdigest()
+    assert [r for method, p, r in hub.requests if method == "GET" and p.endswith("big-Q4_K_M.gguf")] == [f"bytes={CHUNK}-"]
+    assert parts(env) == []
+
+
+def test_a_run_killed_mid_download_is_resumed_by_the_next_and_its_bytes_are_not_fetched_again(hub, env):
+    big = Path(generated_models()["hy_v3-moe"]).read_bytes()
+    hub.files["big-Q4_K_M.gguf"] = big
+    del hub.files["tiny-Q4_K_M.gguf"]
+    hub.stalls["big-Q4_K_M.gguf"] = 2 * CHUNK + 4096   # then the hub holds the line open
+    run = track(subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "run", "--model", f"hf:{REPO}",
+                                  "--prompt", PROMPT, "--max-tokens", "2", "--threads", "1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    wait_for(lambda: [p.stat().st_size for p in parts(env)], lambda sizes: sizes == [2 * CHUNK],
+             "the killed run's part of the download", timeout=120)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=60)
+    del hub.stalls["big-Q4_K_M.gguf"]
+    hub.requests.clear()
+    path, sha = models.resolve(f"hf:{REPO}")
+    assert sha == hashlib.sha256(big).hexdigest() and path.read_bytes() == big
+    assert [r for method, p, r in hub.requests if method == "GET" and p.endswith("big-Q4_K_M.gguf")] == [f"bytes={2 * CHUNK}-"]
+    assert hub.served["big-Q4_K_M.gguf"] == len(big) + 4096   # the killed run's unwritten tail, nothing more
 
 
 def test_a_quantization_the_repository_does_not_have_is_refused_naming_what_it_has(hub, env):
