@@ -137,9 +137,14 @@ def test_langchain_bind_tools_gets_its_tool_called_with_auto(url):
     ai = bound.invoke(messages)
     assert [(c["name"], c["args"]) for c in ai.tool_calls] == [("get_weather", {"city": "Paris"})]
     messages += [ai] + [ToolMessage(weather.invoke(c["args"]), tool_call_id=c["id"]) for c in ai.tool_calls]
-    # with the tool still offered this small model calls it again rather than answer: the
-    # turn completes, whichever it does
-    assert bound.invoke(messages).response_metadata["finish_reason"] in ("stop", "tool_calls")
+    # With the tool still offered, this 1.5B model copies its template's example call
+    # (`{{"name": ...}}`, a typo in Qwen2.5's template) as text; stock llama-server at the
+    # pin writes the same bytes. It is no call, so the round trip ends there, as an agent
+    # loop sees it; offered no tools, the model answers from the tool's result.
+    again = bound.invoke(messages)
+    assert again.response_metadata["finish_reason"] == "stop" and not again.tool_calls and again.content
+    answer = llm.invoke(messages).content.lower()
+    assert "sunny" in answer and "21" in answer, answer
 
 
 def test_a_pydantic_ai_agent_runs_its_tool_and_ends_with_a_structured_output(url):
