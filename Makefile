@@ -30,7 +30,7 @@ PATCHES  := $(sort $(wildcard engine_c/patches/*.patch))
 PATCHES_SHA256 = $(shell cat $(PATCHES) | sha256sum | cut -c1-64)
 ENGINE   := $(BUILD)/libmeshnet_engine.so
 
-.PHONY: all engine engine-cuda cuda-compiler reference llama-server test-models python model test test-unit run check-patches clean distclean
+.PHONY: all engine engine-cuda cuda-compiler engine-vulkan vulkan-toolchain reference llama-server test-models python model test test-unit run check-patches clean distclean
 
 all: engine python model
 
@@ -43,10 +43,17 @@ GPU       ?=
 CUDA_ARCH ?= native
 CUDA_CMAKE_ARGS ?=
 CUDA_DIR  := $(BUILD)/cuda
+# make GPU=vulkan: the engine with ggml's Vulkan backend (build/vulkan), for AMD, Intel and
+# NVIDIA GPUs, and Mesa's lavapipe (a Vulkan device on the CPU, what the tests run it on).
+# Debian's packages: glslc libvulkan-dev spirv-headers (and mesa-vulkan-drivers for
+# lavapipe); about 10 minutes on 2 cores (its shaders, and ggml-vulkan.cpp).
+VULKAN_DIR := $(BUILD)/vulkan
 ifeq ($(GPU),cuda)
 all: engine-cuda
+else ifeq ($(GPU),vulkan)
+all: engine-vulkan
 else ifneq ($(GPU),)
-$(error GPU=$(GPU) is not a backend this Makefile builds: GPU=cuda, or nothing for the CPU engine)
+$(error GPU=$(GPU) is not a backend this Makefile builds: GPU=cuda, GPU=vulkan, or nothing for the CPU engine)
 endif
 
 $(VENV_PYTHON):
@@ -97,6 +104,16 @@ engine-cuda: cuda-compiler $(TREE)/.stamp
 	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
 	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) $(CUDA_CMAKE_ARGS) > $(CUDA_DIR).log
 	cmake --build $(CUDA_DIR)/cmake --target meshnet_engine -j $(JOBS)
+
+vulkan-toolchain:
+	@command -v glslc >/dev/null && pkg-config --exists vulkan && [ -d /usr/include/spirv ] || { echo "error: the Vulkan engine needs glslc, the Vulkan headers and SPIR-V's: apt-get install glslc libvulkan-dev spirv-headers (Debian/Ubuntu); plain make builds the CPU engine" >&2; exit 2; }
+
+engine-vulkan: vulkan-toolchain $(TREE)/.stamp
+	cmake -S engine_c -B $(VULKAN_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=ON \
+	    -DLLAMA_CPP_DIR=$(abspath $(TREE)) -DMESHNET_LIB_DIR=$(abspath $(VULKAN_DIR)) \
+	    -DMESHNET_LLAMA_COMMIT=$(LLAMA_COMMIT) -DMESHNET_SDIST_SHA256=$(SDIST_SHA256) \
+	    -DMESHNET_PATCHES_SHA256=$(PATCHES_SHA256) > $(VULKAN_DIR).log
+	cmake --build $(VULKAN_DIR)/cmake --target meshnet_engine -j $(JOBS)
 
 # The reference meshnet's numerics classes are checked against: a small greedy program
 # over the pinned tree, built twice: the pristine tree with its default options for the

@@ -589,8 +589,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         devices[0] = first_gpu();
         if (!devices[0]) {
             err = ggml_backend_reg_count() > 1
-                ? "this engine has a GPU backend but it finds no GPU: is the driver loaded, or does CUDA_VISIBLE_DEVICES hide them?"
-                : "this engine was built for the CPU alone: `make GPU=cuda` builds the GPU engine (build/cuda)";
+                ? "this engine has a GPU backend but it finds no GPU: is the driver loaded, or does CUDA_VISIBLE_DEVICES "
+                  "hide them? (a Vulkan device on the CPU, such as Mesa's lavapipe, is taken only where "
+                  "GGML_VK_VISIBLE_DEVICES names it)"
+                : "this engine was built for the CPU alone: `make GPU=cuda` or `make GPU=vulkan` builds a GPU engine "
+                  "(build/cuda, build/vulkan)";
             return MESHNET_ERR_NO_GPU;
         }
     }

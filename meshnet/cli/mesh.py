@@ -63,8 +63,9 @@ from meshnet.launch.progress import load_bars
 @click.option("--insecure", is_flag=True, help="serve a non-loopback --data-bind without keys: anyone who can reach it "
                                                  "may send this stage activations; and without a join token, fetch the "
                                                  "model's bytes checked against an unauthenticated coordinator's word")
-@click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (the GPU engine: "
-                                            "make GPU=cuda); it then reports backend CUDA and the GPU's name")
+@click.option("--gpu", is_flag=True, help="run the stage's layers, KV cache and compute on the first GPU (a GPU engine: "
+                                            "make GPU=cuda or GPU=vulkan); it then reports its backend, the GPU's "
+                                            "name and its memory")
 @numerics_option(baseline=True)
 @attention_options
 @click.option("--trace", default=None, help="record a span per step of the per-token path and write them to this "

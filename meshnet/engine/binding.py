@@ -28,7 +28,10 @@ from meshnet.core.text import utf8_or_error
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADER = REPO_ROOT / "engine_c" / "meshnet_engine.h"
 DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
-GPU_LIBRARY = REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so"   # make GPU=cuda
+# the GPU engines `make GPU=...` builds, in the order a GPU stage takes the first built;
+# MESHNET_GPU_ENGINE=cuda or vulkan names one
+GPU_LIBRARIES = {"cuda": REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so",
+                 "vulkan": REPO_ROOT / "build" / "vulkan" / "libmeshnet_engine.so"}
 ABI_VERSION = 15
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
@@ -72,11 +75,12 @@ def library(gpu: bool = False):
     global _lib, _lib_path
     if _lib is None:
         override = os.environ.get("MESHNET_ENGINE_LIB")
-        path = Path(override or (GPU_LIBRARY if gpu else DEFAULT_LIBRARY))
+        path = Path(override or (gpu_library() if gpu else DEFAULT_LIBRARY))
         if not path.exists():
             if gpu and not override:
-                raise MeshnetError(errors.ENGINE_MISSING, f"a GPU stage needs the GPU engine, {path}, which is not built: "
-                                   "`make GPU=cuda` builds it (it needs CUDA's compiler, nvcc)")
+                raise MeshnetError(errors.ENGINE_MISSING, f"a GPU stage needs a GPU engine, and {path} is not built: "
+                                   "`make GPU=cuda` builds one (it needs CUDA's compiler, nvcc), `make GPU=vulkan` "
+                                   "another (glslc and the Vulkan headers)")
             raise MeshnetError(errors.ENGINE_MISSING, f"the engine library {path} does not exist: run `make` first")
         lib = _ffi.dlopen(str(path))
         if lib.meshnet_engine_abi_version() != ABI_VERSION:
@@ -89,6 +93,18 @@ def library(gpu: bool = False):
         raise MeshnetError(errors.NO_GPU, f"this process already runs the CPU engine ({_lib_path}); a GPU stage runs "
                            "in a process of its own (meshnet worker --gpu)")
     return _lib
+
+
+def gpu_library() -> Path:
+    """The GPU engine a GPU stage loads: the one MESHNET_GPU_ENGINE names, else the first
+    built (CUDA before Vulkan: on an NVIDIA GPU the CUDA build is the faster)."""
+    named = os.environ.get("MESHNET_GPU_ENGINE")
+    if named:
+        if named not in GPU_LIBRARIES:
+            raise MeshnetError(errors.INVALID_ARGUMENT, f"MESHNET_GPU_ENGINE={named!r}: it names one of "
+                               f"{', '.join(GPU_LIBRARIES)}")
+        return GPU_LIBRARIES[named]
+    return next((p for p in GPU_LIBRARIES.values() if p.exists()), GPU_LIBRARIES["cuda"])
 
 
 def engine_pin(gpu: bool = False) -> str:

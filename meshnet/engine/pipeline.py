@@ -59,13 +59,15 @@ class _Running:
 class LocalPipeline:
     """Stages for consecutive layer ranges, all in this process."""
 
-    def __init__(self, model_path, ranges: Sequence[LayerRange | tuple[int, int]], **stage_options):
+    def __init__(self, model_path, ranges: Sequence[LayerRange | tuple[int, int]], gpu_stages: Sequence[int] = (),
+                 **stage_options):
         self.ranges = [(int(a), int(b)) for a, b in ranges]
         self.stages: list[Stage] = []
         try:
-            for r in self.ranges:
+            for i, r in enumerate(self.ranges):
                 # the whole model runs the stock graph (no range): any architecture works
-                self.stages.append(Stage(model_path, None if len(self.ranges) == 1 else r, **stage_options))
+                self.stages.append(Stage(model_path, None if len(self.ranges) == 1 else r, gpu=i in gpu_stages,
+                                         **stage_options))
         except Exception:
             self.close()
             raise

@@ -72,3 +72,21 @@ def test_the_cuda_engine_builds_apart_for_one_architecture_and_needs_nvcc(tmp_pa
     assert cuda_build.exists() == configured_before and "cmake" not in result.stdout
     refused = subprocess.run(["make", "-n", "GPU=rocm"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "GPU=rocm is not a backend" in refused.stderr
+
+
+def test_the_vulkan_engine_builds_apart_and_names_debian_s_packages_where_its_tools_are_missing(tmp_path):
+    lines = make_dry_run("engine-vulkan", fresh=False, GPU="vulkan")
+    commands = " ".join(line.rstrip("\\").strip() for line in lines)
+    configure = commands[commands.index("cmake -S engine_c -B build/vulkan/cmake"):]
+    assert "-DGGML_VULKAN=ON" in configure and "-DMESHNET_LIB_DIR=" + str(ROOT / "build" / "vulkan") in configure
+    assert "all: engine-vulkan" not in make_dry_run("all", fresh=False)
+    bare = tmp_path / "bin"   # no glslc, no pkg-config
+    bare.mkdir()
+    for tool in ("make", "sh", "cmake"):
+        (bare / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
+    environment = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    result = subprocess.run(["make", "engine-vulkan", "GPU=vulkan"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env=dict(environment, PATH=str(bare)))
+    assert result.returncode != 0 and "apt-get install glslc libvulkan-dev spirv-headers" in result.stderr, result.stderr
+    assert "cmake" not in result.stdout
+    assert "make GPU=vulkan" in (ROOT / ".ci" / "run").read_text()
