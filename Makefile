@@ -46,7 +46,7 @@ CUDA_DIR  := $(BUILD)/cuda
 # make GPU=vulkan: the engine with ggml's Vulkan backend (build/vulkan), for AMD, Intel and
 # NVIDIA GPUs, and Mesa's lavapipe (a Vulkan device on the CPU, what the tests run it on).
 # Debian's packages: glslc libvulkan-dev spirv-headers (and mesa-vulkan-drivers for
-# lavapipe); about 10 minutes on 2 cores (its shaders, and ggml-vulkan.cpp).
+# lavapipe); about 6 minutes on 2 cores (its shaders, and ggml-vulkan.cpp).
 VULKAN_DIR := $(BUILD)/vulkan
 ifeq ($(GPU),cuda)
 all: engine-cuda

@@ -14,8 +14,11 @@
 #                  (default .gpu/models)
 #   --out DIR      where manifest.json, README.md and the logs go (default evidence/<UTC>-gpu-check)
 #   --build-only   build and stop; --no-build: use the engines built before
+# Then, where the generated models are (ARCH_MODELS, default build/test-models/models), the
+# per-architecture drift of a GPU stage (tools/gpu_arch_drift.py) on each GPU engine built:
+# CUDA, and Vulkan where glslc is here.
 # Environment: CUDA_ARCH (default: the first GPU's compute capability), JOBS (default: all
-# cores), PYTHON (default python3), GPU_CHECK_TOKENS (default 64).
+# cores), PYTHON (default python3), GPU_CHECK_TOKENS (default 64), ARCH_MODELS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,6 +88,13 @@ if [ "$build" = yes ]; then
     wait $cpu_build || { tail -30 "$out/build-cpu.log"; echo "gpu-check: the CPU engine did not build" >&2; exit 1; }
     echo "gpu-check: both engines built in $(( $(date +%s) - start )) s (CUDA_ARCH=$CUDA_ARCH, $JOBS jobs)" \
         | tee "$out/build-time.txt"
+    # the Vulkan engine too, where the machine has its tools (the same GPU through its Vulkan driver)
+    if command -v glslc >/dev/null; then
+        start=$(date +%s)
+        make -o build/llama.cpp/.stamp engine-vulkan GPU=vulkan JOBS="$JOBS" >"$out/build-vulkan.log" 2>&1 \
+            && echo "gpu-check: the Vulkan engine built in $(( $(date +%s) - start )) s" | tee -a "$out/build-time.txt" \
+            || echo "gpu-check: the Vulkan engine did not build (build-vulkan.log); going on without it" >&2
+    fi
 fi
 [ "$check" = yes ] || exit 0
 
@@ -100,4 +110,16 @@ for first in "$models"/*.gguf "$models"/*.gguf.00; do
     esac
 done
 [ ${#paths[@]} -gt 0 ] || { echo "gpu-check: no models in $models" >&2; exit 2; }
-exec "$PYTHON" tools/gpu_check.py --out "$out" --tokens "${GPU_CHECK_TOKENS:-64}" "${paths[@]}"
+"$PYTHON" tools/gpu_check.py --out "$out" --tokens "${GPU_CHECK_TOKENS:-64}" "${paths[@]}"
+# the drift of a GPU stage per architecture, on each GPU engine built, where the generated
+# models are here (make test-models, or the bundle's)
+archs=${ARCH_MODELS:-build/test-models/models}
+if [ -d "$archs" ]; then
+    for engine in cuda vulkan; do
+        [ -e "build/$engine/libmeshnet_engine.so" ] || continue
+        "$PYTHON" tools/gpu_arch_drift.py --engine "$engine" --models "$archs" --json "$out/archs-$engine.json" \
+            --markdown "$out/archs-$engine.md" >"$out/archs-$engine.log" 2>&1 \
+            || echo "gpu-check: the per-architecture drift on $engine failed ($out/archs-$engine.log)" >&2
+        tail -1 "$out/archs-$engine.log"
+    done
+fi
