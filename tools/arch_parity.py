@@ -35,9 +35,14 @@ except MeshnetError as e:
 
 
 def run_one(path: Path, timeout: float, any_arch: bool) -> dict:
-    env = dict(os.environ, MESHNET_TRIAGE_ANY_ARCH="1" if any_arch else "0")
+    return run_child(CHILD, [str(path)], dict(os.environ, MESHNET_TRIAGE_ANY_ARCH="1" if any_arch else "0"), timeout)
+
+
+def run_child(code: str, args: list[str], env: dict, timeout: float) -> dict:
+    """CODE in a Python process of its own (a graph that asserts aborts only it): the last
+    JSON line it printed, or {"error": "timeout" or "crash", "message": ...}."""
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                               timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"error": "timeout", "message": f"no answer in {timeout:.0f} s"}

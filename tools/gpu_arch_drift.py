@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from arch_parity import run_child  # noqa: E402  (this folder's, beside it)
 from meshnet.engine.binding import GPU_LIBRARIES  # noqa: E402
 
 CHILD = """
@@ -41,18 +41,7 @@ ROUTES = ("GPU whole", "GPU head, CPU tail", "CPU head, GPU tail")
 
 
 def run_one(path: Path, engine: Path, threads: int, timeout: float) -> dict:
-    env = dict(os.environ, MESHNET_ENGINE_LIB=str(engine))
-    try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(path), str(threads)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": "timeout", "message": f"no answer in {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    tail = [line for line in lines if re.search(r"GGML_ASSERT|error|what\(\)|Error", line)][:3] or lines[-3:]
-    return {"error": "crash", "message": f"exit {done.returncode}: " + " | ".join(tail)}
+    return run_child(CHILD, [str(path), str(threads)], dict(os.environ, MESHNET_ENGINE_LIB=str(engine)), timeout)
 
 
 def cells(result: dict) -> list[str]:

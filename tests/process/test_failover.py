@@ -19,6 +19,7 @@ from meshnet.core.sampling import Sampling
 from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import THREADS
+from streams import follow_while
 
 HALVES = [(0, 15), (15, 30)]
 MAX_TOKENS = 24
@@ -129,32 +130,13 @@ def run_and_kill(stages, expected, layers, when):
     coordinator = stages.cluster.coordinator
     prompts, want = expected
     handles = [coordinator.generate(t, MAX_TOKENS, sampling=s, stop_at_eog=False) for t, s in zip(prompts, SAMPLINGS)]
-    got = [[] for _ in handles]
-    errors = [None] * len(handles)
-    streamed = threading.Barrier(len(handles) + 1)
 
-    def follow(i):
-        try:
-            for event in handles[i]:
-                got[i].append(event.token)
-                if len(got[i]) == 4 and when == "decode":
-                    streamed.wait(30)
-        except MeshnetError as e:
-            errors[i] = e
-        except threading.BrokenBarrierError:
-            pass
+    def kill():
+        if when == "prefill":
+            time.sleep(0.2)   # the prompts are hundreds of tokens in chunks of 16: the heads are still reading them
+        stages.kill_route_stage(layers)
 
-    threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(handles))]
-    for t in threads:
-        t.start()
-    if when == "decode":
-        streamed.wait(60)
-    else:
-        time.sleep(0.2)   # the prompts are hundreds of tokens in chunks of 16: the heads are still reading them
-    stages.kill_route_stage(layers)
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a session hung"
+    got, errors = follow_while(handles, kill, after_tokens=4 if when == "decode" else None)
     return handles, got, errors, want
 
 

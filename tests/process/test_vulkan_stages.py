@@ -11,18 +11,17 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from meshnet.core.errors import MeshnetError
 from meshnet.core.metrics import prometheus_text
 from meshnet.engine.binding import GPU_LIBRARIES
 from meshnet.launch.local_cluster import LocalCluster
 
 from conftest import generated_models, run_bounded
+from streams import follow_while
 
 ROOT = Path(__file__).resolve().parents[2]
 VULKAN = GPU_LIBRARIES["vulkan"]
@@ -172,29 +171,8 @@ def test_a_killed_gpu_worker_is_replaced_by_a_gpu_spare_and_no_session_is_lost(c
     spares.append(spare)
     c.wait_offered(spare)
     handles = together(c.coordinator)
-    got = [[] for _ in handles]
-    failures = [None] * len(handles)
-    streamed = threading.Barrier(len(handles) + 1)
-
-    def follow(i):
-        try:
-            for event in handles[i]:
-                got[i].append(event.token)
-                if len(got[i]) == 3:
-                    streamed.wait(BOUND_S)
-        except MeshnetError as e:
-            failures[i] = e
-        except threading.BrokenBarrierError:
-            pass
-
-    threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(handles))]
-    for t in threads:
-        t.start()
-    streamed.wait(BOUND_S)
-    os.kill(in_route.pid, signal.SIGKILL)
-    for t in threads:
-        t.join(BOUND_S)
-    assert not any(t.is_alive() for t in threads), "a session hung"
+    got, failures = follow_while(handles, lambda: os.kill(in_route.pid, signal.SIGKILL), after_tokens=3,
+                                 timeout=BOUND_S)
     assert failures == [None] * 4
     assert got == alone   # the replay on the spare, in the GPU's class, gives the same tokens
     for h in handles:
