@@ -27,7 +27,7 @@ mkdir -p "$OUT/src/wheels" "$OUT/models"
 tar -czf "$OUT/src/llama.cpp.tar.gz" -C build \
     --exclude='llama.cpp/models' --exclude='llama.cpp/docs' --exclude='llama.cpp/media' \
     --exclude='llama.cpp/gguf-py' --exclude='llama.cpp/tests/*.cpp' --exclude='llama.cpp/.git*' \
-    --exclude='llama.cpp/ggml/src/ggml-vulkan/vulkan-shaders' --exclude='llama.cpp/ggml/src/ggml-sycl' \
+    --exclude='llama.cpp/ggml/src/ggml-sycl' \
     --exclude='llama.cpp/ggml/src/ggml-cann' --exclude='llama.cpp/ggml/src/ggml-musa' \
     --exclude='llama.cpp/ggml/src/ggml-opencl/kernels' --exclude='llama.cpp/ggml/src/ggml-webgpu/wgsl-shaders' \
     --exclude='llama.cpp/ggml/src/ggml-hexagon' \

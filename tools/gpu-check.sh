@@ -14,7 +14,8 @@
 #                  (default .gpu/models)
 #   --out DIR      where manifest.json, README.md and the logs go (default evidence/<UTC>-gpu-check)
 #   --build-only   build and stop; --no-build: use the engines built before
-# Then, where the generated models are (ARCH_MODELS, default build/test-models/models), the
+# Then stock llama.cpp's own GPU/CPU drift beside meshnet's GPU stage (tools/gpu_stock.py,
+# over tools/reference built with CUDA from the pristine pin), and where the generated models are (ARCH_MODELS, default build/test-models/models), the
 # per-architecture drift of a GPU stage (tools/gpu_arch_drift.py) on each GPU engine built:
 # CUDA, and Vulkan where glslc is here.
 # Environment: CUDA_ARCH (default: the first GPU's compute capability), JOBS (default: all
@@ -95,6 +96,20 @@ if [ "$build" = yes ]; then
             && echo "gpu-check: the Vulkan engine built in $(( $(date +%s) - start )) s" | tee -a "$out/build-time.txt" \
             || echo "gpu-check: the Vulkan engine did not build (build-vulkan.log); going on without it" >&2
     fi
+    # stock llama.cpp with its CUDA backend: tools/reference's greedy program over the pristine
+    # pin (the patched tree with the stack reversed), for stock's own GPU/CPU drift
+    pristine=build/llama.cpp-pristine
+    if [ ! -d "$pristine" ]; then
+        pristine=/tmp/meshnet-pristine
+        rm -rf "$pristine" && cp -a build/llama.cpp "$pristine" && rm -rf "$pristine/.meshnet-applied"
+        for p in $(ls engine_c/patches/*.patch | sort -r); do patch -d "$pristine" -p1 -R --quiet < "$p"; done
+    fi
+    start=$(date +%s)
+    { cmake -S tools/reference -B build/reference/cuda -DCMAKE_BUILD_TYPE=Release -DLLAMA_CPP_DIR="$PWD/$pristine" \
+          -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DGGML_CUDA_FA=OFF $cuda_cmake_args \
+      && cmake --build build/reference/cuda --target meshnet-reference -j "$JOBS"; } >"$out/build-reference-cuda.log" 2>&1 \
+        && echo "gpu-check: stock's CUDA reference built in $(( $(date +%s) - start )) s" | tee -a "$out/build-time.txt" \
+        || echo "gpu-check: stock's CUDA reference did not build (build-reference-cuda.log)" >&2
 fi
 [ "$check" = yes ] || exit 0
 
@@ -111,13 +126,19 @@ for first in "$models"/*.gguf "$models"/*.gguf.00; do
 done
 [ ${#paths[@]} -gt 0 ] || { echo "gpu-check: no models in $models" >&2; exit 2; }
 "$PYTHON" tools/gpu_check.py --out "$out" --tokens "${GPU_CHECK_TOKENS:-64}" "${paths[@]}"
+# stock's GPU against stock's CPU, and meshnet's GPU stage against stock's GPU, token for token
+if [ -x build/reference/cuda/meshnet-reference ]; then
+    "$PYTHON" tools/gpu_stock.py --reference build/reference/cuda/meshnet-reference --engine cuda \
+        --tokens "${GPU_CHECK_TOKENS:-64}" --json "$out/stock.json" "${paths[@]}" | tee "$out/stock.log" \
+        || echo "gpu-check: the stock comparison failed" >&2
+fi
 # the drift of a GPU stage per architecture, on each GPU engine built, where the generated
 # models are here (make test-models, or the bundle's)
 archs=${ARCH_MODELS:-build/test-models/models}
 if [ -d "$archs" ]; then
     for engine in cuda vulkan; do
         [ -e "build/$engine/libmeshnet_engine.so" ] || continue
-        "$PYTHON" tools/gpu_arch_drift.py --engine "$engine" --models "$archs" --json "$out/archs-$engine.json" \
+        "$PYTHON" tools/gpu_arch_drift.py --engine "$engine" --models "$archs" --jobs 4 --json "$out/archs-$engine.json" \
             --markdown "$out/archs-$engine.md" >"$out/archs-$engine.log" 2>&1 \
             || echo "gpu-check: the per-architecture drift on $engine failed ($out/archs-$engine.log)" >&2
         tail -1 "$out/archs-$engine.log"

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="a regular expression over file names")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--jobs", type=int, default=1, help="models run at once (each in a process of its own)")
     ap.add_argument("--json", type=Path, help="write every result here")
     ap.add_argument("--markdown", type=Path, help="write the table here")
     args = ap.parse_args()
@@ -80,9 +82,10 @@ def main() -> int:
         return 2
     paths = sorted(p for p in args.models.glob("*.gguf") if re.search(args.only, p.name))
     results = {}
-    for path in paths:
-        results[path.stem] = result = run_one(path, engine, args.threads, args.timeout)
-        print(f"{path.stem:28} " + " | ".join(cells(result)), flush=True)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for path, result in zip(paths, pool.map(lambda p: run_one(p, engine, args.threads, args.timeout), paths)):
+            results[path.stem] = result
+            print(f"{path.stem:28} " + " | ".join(cells(result)), flush=True)
     ok = [r for r in results.values() if "error" not in r]
     agree = [r for r in ok if all(x["top1_agreement"] == 1.0 for x in r["routes"].values())]
     print(f"{len(ok)} of {len(results)} models ran on the GPU; {len(agree)} agree with the CPU on every top-1 token")

@@ -3,13 +3,14 @@
 // does by default: the prompt in batches of n_batch (512, physical batches of 512), logits
 // for the last prompt token only, then one token per call, no flash attention.
 //
-//   meshnet-reference MODEL N_PREDICT [--row-invariant] [--threads N] PROMPT...
+//   meshnet-reference MODEL N_PREDICT [--row-invariant] [--gpu] [--threads N] PROMPT...
 //
 // For each PROMPT (raw text, tokenized with the model's BOS as llama.cpp adds it) one
 // line: the prompt's token ids, " |", and the N_PREDICT greedy token ids (no stop at an
 // end-of-generation token). --row-invariant turns on the CPU backend's row-invariant mode,
 // the invariant class's kernels: only in the build over the tree with meshnet's kernel
-// patches (MESHNET_ROW_INVARIANT, make reference).
+// patches (MESHNET_ROW_INVARIANT, make reference). --gpu puts every layer on the GPU, in a build
+// with a GPU backend (tools/gpu-check.sh builds one): stock llama.cpp's own GPU against its CPU.
 #include "llama.h"
 
 #include <cstdio>
@@ -26,12 +27,13 @@ static void quiet(enum ggml_log_level level, const char * text, void *) {
 
 int main(int argc, char ** argv) {
     if (argc < 4) {
-        std::fprintf(stderr, "usage: %s MODEL N_PREDICT [--row-invariant] [--threads N] PROMPT...\n", argv[0]);
+        std::fprintf(stderr, "usage: %s MODEL N_PREDICT [--row-invariant] [--gpu] [--threads N] PROMPT...\n", argv[0]);
         return 2;
     }
     const char * model_path = argv[1];
     const int n_predict = std::atoi(argv[2]);
     bool row_invariant = false;
+    bool gpu = false;
     int n_threads = 0;
     int first_prompt = 3;
     while (first_prompt < argc && std::strncmp(argv[first_prompt], "--", 2) == 0) {
@@ -41,6 +43,9 @@ int main(int argc, char ** argv) {
             return 2;
 #endif
             row_invariant = true;
+            first_prompt += 1;
+        } else if (std::strcmp(argv[first_prompt], "--gpu") == 0) {
+            gpu = true;
             first_prompt += 1;
         } else if (std::strcmp(argv[first_prompt], "--threads") == 0 && first_prompt + 1 < argc) {
             n_threads = std::atoi(argv[first_prompt + 1]);
@@ -54,7 +59,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
 
     llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers    = 0;
+    mparams.n_gpu_layers    = gpu ? -1 : 0;
     llama_model * model = llama_model_load_from_file(model_path, mparams);
     if (!model) {
         std::fprintf(stderr, "could not load %s\n", model_path);
