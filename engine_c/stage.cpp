@@ -508,11 +508,6 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     const bool invariant = p->numerics == MESHNET_NUMERICS_INVARIANT;
-    if (invariant && p->gpu) {
-        err = "the invariant numerics class runs on the CPU only (a GPU's matmul kernels change with the number "
-              "of rows): choose the stock class for a GPU stage";
-        return MESHNET_ERR_INVALID_ARGUMENT;
-    }
     if (p->n_ctx < 1 || p->max_sessions < 1 || p->max_sessions > 256 || p->n_batch < 1 ||
         p->n_ubatch < 0 || p->n_threads < 0 || p->pool_cells < 0 || (p->pool_cells > 0 && p->pool_cells < p->n_ctx)) {
         err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
@@ -595,6 +590,19 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
                 : "this engine was built for the CPU alone: `make GPU=cuda` or `make GPU=vulkan` builds a GPU engine "
                   "(build/cuda, build/vulkan)";
             return MESHNET_ERR_NO_GPU;
+        }
+        // a GPU's matrix kernels change with the number of rows; Vulkan's backend has a mode
+        // that takes every row through the one-row path (patch 0018), CUDA's has none
+        const std::string backend = ggml_backend_reg_name(ggml_backend_dev_backend_reg(devices[0]));
+        if (invariant && backend != "Vulkan") {
+            err = format("the invariant numerics class runs on the CPU, or on a GPU through the Vulkan engine "
+                         "(make GPU=vulkan), not on %s: choose the stock class for this GPU stage", backend.c_str());
+            return MESHNET_ERR_INVALID_ARGUMENT;
+        }
+        if (invariant && p->flash_attn) {
+            err = "the invariant class on a GPU runs without flash attention (its GPU kernels change with the "
+                  "number of rows): leave out --flash-attn";
+            return MESHNET_ERR_INVALID_ARGUMENT;
         }
     }
 

@@ -49,17 +49,20 @@ def cells(result: dict) -> list[str]:
     """One table row's cells after the model's name."""
     if "error" in result:
         return [result["arch"] if "arch" in result else "?", f"{result['error']}: {result['message'][:120]}"] + \
-               [""] * (len(ROUTES) + 1)
+               [""] * (len(ROUTES) + 2)
     out = [result["arch"], "yes" if result["splits"] else "no"]
     for name in ROUTES:
         r = result["routes"].get(name)
         out.append("-" if r is None else f"{r['top1_agreement']:.2f} / {r['max_abs_logit_diff']:.2g}")
     out.append(f"{max(result['batching'].values()):.2g}")
+    invariant = result.get("batching_invariant") or {}
+    out.append("-" if "error" in invariant or not invariant else f"{max(invariant.values()):.2g}")
     return out
 
 
 def markdown(results: dict[str, dict]) -> str:
-    head = ["model", "arch", "splits"] + [f"{r} (top-1 / max diff)" for r in ROUTES] + ["GPU batching max diff"]
+    head = ["model", "arch", "splits"] + [f"{r} (top-1 / max diff)" for r in ROUTES] + \
+        ["GPU batching max diff", "GPU batching max diff, invariant class"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows += ["| " + " | ".join([name] + cells(r)) + " |" for name, r in results.items()]
     return "\n".join(rows) + "\n"
@@ -88,7 +91,9 @@ def main() -> int:
             print(f"{path.stem:28} " + " | ".join(cells(result)), flush=True)
     ok = [r for r in results.values() if "error" not in r]
     agree = [r for r in ok if all(x["top1_agreement"] == 1.0 for x in r["routes"].values())]
-    print(f"{len(ok)} of {len(results)} models ran on the GPU; {len(agree)} agree with the CPU on every top-1 token")
+    exact = [r for r in ok if set((r.get("batching_invariant") or {"-": 1}).values()) == {0.0}]
+    print(f"{len(ok)} of {len(results)} models ran on the GPU; {len(agree)} agree with the CPU on every top-1 token; "
+          f"{len(exact)} give rows independent of batching in the invariant class")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.markdown:

@@ -7,7 +7,8 @@ difference|, KL(CPU || GPU) and the first step where the top-1 tokens part. The 
 whole model on the GPU, and for an architecture that splits, a GPU head before a CPU tail
 and the reverse. And whether the GPU's rows are independent of batching (what makes
 failover, prefix reuse and speculation exact): the GPU's whole model fed the prompt in one
-chunk, in uneven chunks and token by token, the rows they share compared.
+chunk, in uneven chunks and token by token, the rows they share compared, in the stock class
+and in the invariant one (Vulkan's row-invariant mode, patch 0018).
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def compare(whole: parity.Run, rows: list[np.ndarray]) -> dict:
             "first_divergence": next((i for i, same in enumerate(agree) if not same), None)}
 
 
+def batching(gpu: LocalPipeline, tokens: np.ndarray, steps: int) -> dict:
+    """The batching figures: the largest |diff| of rows the GPU computed in other company
+    (the prompt in uneven chunks, token by token) from the same rows in one chunk."""
+    one_chunk = parity.generate(gpu, tokens, [0], steps)
+    return {"chunked against one chunk": parity.max_diff(one_chunk, parity.generate(gpu, tokens, parity.CHUNKS, steps),
+                                                         tail=steps + 1),
+            "token by token against one chunk": parity.max_diff(
+                one_chunk, parity.generate(gpu, tokens, range(len(tokens)), steps), tail=steps + 1)}
+
+
 def measure(path: str, n_threads: int = 2, steps: int = STEPS) -> dict:
     """PATH's GPU routes against its CPU whole model, and the GPU's batching figures."""
     options = dict(n_ctx=128, max_sessions=1, n_threads=n_threads)
@@ -59,13 +70,12 @@ def measure(path: str, n_threads: int = 2, steps: int = STEPS) -> dict:
     with LocalPipeline(path, [(0, info.n_layer)], gpu_stages=[0], **options) as gpu:
         report["device"] = gpu.head.info().device
         report["routes"]["GPU whole"] = compare(whole, forced(gpu, tokens, whole.tokens))
-        # the batching figures: rows the GPU computed in other company, with the same tokens
-        one_chunk = parity.generate(gpu, tokens, [0], steps)
-        report["batching"] = {
-            "chunked against one chunk": parity.max_diff(one_chunk, parity.generate(gpu, tokens, parity.CHUNKS, steps),
-                                                         tail=steps + 1),
-            "token by token against one chunk": parity.max_diff(
-                one_chunk, parity.generate(gpu, tokens, range(len(tokens)), steps), tail=steps + 1)}
+        report["batching"] = batching(gpu, tokens, steps)
+    try:
+        with LocalPipeline(path, [(0, info.n_layer)], gpu_stages=[0], numerics="invariant", **options) as gpu:
+            report["batching_invariant"] = batching(gpu, tokens, steps)
+    except MeshnetError as e:   # a GPU backend without the mode (CUDA's)
+        report["batching_invariant"] = {"error": str(e)}
     half = info.n_layer // 2
     for name, on_gpu in (("GPU head, CPU tail", [0]), ("CPU head, GPU tail", [1])):
         if half == 0:

@@ -115,8 +115,10 @@ PROMPTS = [np.random.default_rng(seed).integers(0, 128, 40 + 9 * seed).tolist() 
 
 @pytest.fixture(scope="module")
 def cluster(model):
+    # the invariant class on the GPU (Vulkan's row-invariant mode, patch 0018): a session's
+    # rows do not depend on the company they are computed in, so a replay is exact
     with LocalCluster(model, HALVES, threads=1, n_ctx=256, max_sessions=4, gpu_stages=[0, 1], prefill_chunk=16,
-                      heartbeat_interval=0.1, heartbeat_liveness=10, prefix_cache_mib=0) as c:
+                      heartbeat_interval=0.1, heartbeat_liveness=10, prefix_cache_mib=0, numerics="invariant") as c:
         spares = []
         try:
             yield c, spares
@@ -152,6 +154,8 @@ def together(coordinator):
 
 
 def test_four_concurrent_sessions_on_gpu_stages_each_get_what_they_get_alone(cluster, alone):
+    workers = cluster[0].coordinator.workers_snapshot()
+    assert {(w["backend"], w["numerics"]) for w in workers} == {("Vulkan", "invariant")}, workers
     handles = together(cluster[0].coordinator)
     assert [h.result(BOUND_S).tokens for h in handles] == alone
 
@@ -174,7 +178,7 @@ def test_a_killed_gpu_worker_is_replaced_by_a_gpu_spare_and_no_session_is_lost(c
     got, failures = follow_while(handles, lambda: os.kill(in_route.pid, signal.SIGKILL), after_tokens=3,
                                  timeout=BOUND_S)
     assert failures == [None] * 4
-    assert got == alone   # the replay on the spare, in the GPU's class, gives the same tokens
+    assert got == alone   # the replay on the spare, in the GPU's invariant class, gives the same tokens
     for h in handles:
         [resumed] = h.metrics["resumed"]
         assert resumed["stage"] == "[2,4)" and resumed["generated_before"] >= 3
@@ -195,3 +199,8 @@ def test_a_sample_of_architectures_on_a_gpu_stage_drifts_little_from_the_cpu(tmp
         assert r["splits"] and set(r["routes"]) == {"GPU whole", "GPU head, CPU tail", "CPU head, GPU tail"}, name
         for route, d in r["routes"].items():
             assert d["top1_agreement"] == 1.0 and d["max_abs_logit_diff"] < 1e-2, (name, route, d)
+        assert max(r["batching"].values()) > 0, name   # the stock class's GPU rows change with the batching
+    # in the invariant class (Vulkan's row-invariant mode) they do not, on the architectures
+    # that the table (tools/gpu_arch_drift.py) gives as exact: a dense and a mixture of experts
+    for name in ("llama-dense", "qwen3moe-moe"):
+        assert set(results[name]["batching_invariant"].values()) == {0.0}, results[name]
