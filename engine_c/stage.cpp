@@ -592,7 +592,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
             return MESHNET_ERR_NO_GPU;
         }
         // a GPU's matrix kernels change with the number of rows; Vulkan's backend has a mode
-        // that takes every row through the one-row path (patch 0018), CUDA's has none
+        // that takes every matrix product through one tiled shader (patch 0018), CUDA's has none
         const std::string backend = ggml_backend_reg_name(ggml_backend_dev_backend_reg(devices[0]));
         if (invariant && backend != "Vulkan") {
             err = format("the invariant numerics class runs on the CPU, or on a GPU through the Vulkan engine "

@@ -21,7 +21,8 @@ KEY = 0x5EC2E7           # the session key a fake coordinator gives its sessions
 
 def ephemeral_ports() -> range:
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
     return range(low, high + 1)
@@ -34,12 +35,17 @@ def free_port(width: int = 1) -> int:
     may be given an ephemeral port as its own end, and a server then fails with 'Address
     already in use' (a clean-clone CI run lost two-host.sh's second worker that way)."""
     ephemeral = ephemeral_ports()
-    below = max(1025, min(ephemeral.start, 65536 - width))
+    # the ports below the range, or where it starts low (a container's 1024-65535) above it,
+    # or where it spans them all any (the race then stays, rare)
+    if ephemeral.start - width > 2048:
+        candidates = range(ephemeral.start // 2, ephemeral.start - width + 1)
+    elif ephemeral.stop < 65536 - width - 256:
+        candidates = range(ephemeral.stop, 65536 - width + 1)
+    else:
+        candidates = range(1025, 65536 - width + 1)
     rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(max(1025, below // 2), below - width + 1)
-        if any(p in ephemeral for p in range(port, port + width)):
-            continue
+        port = rng.choice(candidates)
         sockets = [socket.socket() for _ in range(width)]
         try:
             for offset, s in enumerate(sockets):
@@ -50,7 +56,7 @@ def free_port(width: int = 1) -> int:
         finally:
             for s in sockets:
                 s.close()
-    raise RuntimeError(f"no {width} free port(s) below the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+    raise RuntimeError(f"no {width} free port(s) among {candidates.start}-{candidates.stop - 1}")
 
 
 def wait_until(predicate, timeout=10.0):

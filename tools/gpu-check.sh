@@ -102,7 +102,9 @@ if [ "$build" = yes ]; then
     if [ ! -d "$pristine" ]; then
         pristine=/tmp/meshnet-pristine
         rm -rf "$pristine" && cp -a build/llama.cpp "$pristine" && rm -rf "$pristine/.meshnet-applied"
-        for p in $(ls engine_c/patches/*.patch | sort -r); do patch -d "$pristine" -p1 -R --quiet < "$p"; done
+        for p in $(ls engine_c/patches/*.patch | sort -r); do
+            patch -d "$pristine" -p1 -R --quiet --batch < "$p" || echo "gpu-check: $p does not reverse" >&2
+        done
     fi
     start=$(date +%s)
     { cmake -S tools/reference -B build/reference/cuda -DCMAKE_BUILD_TYPE=Release -DLLAMA_CPP_DIR="$PWD/$pristine" \

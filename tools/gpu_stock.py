@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Stock llama.cpp's own GPU against its CPU, and meshnet's whole-model GPU stage against
 stock's GPU, on the bench prompts (issue 50, item 4): how far the GPU drifts when no
-meshnet patch is there, and whether meshnet's GPU stage is stock's GPU bit for bit.
+meshnet patch is there, and whether meshnet's GPU stage gives stock's GPU's greedy tokens.
 
     python tools/gpu_stock.py --reference BIN [--engine cuda|vulkan] [--tokens N] [--json OUT] MODEL...
 
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("models", nargs="+", type=Path)
     args = ap.parse_args()
-    os.environ.setdefault("MESHNET_ENGINE_LIB", str(GPU_LIBRARIES[args.engine]))
+    os.environ["MESHNET_ENGINE_LIB"] = str(GPU_LIBRARIES[args.engine])   # the GPU engine named, whatever was set
     report = {"engine": args.engine, "reference": str(args.reference), "tokens": args.tokens, "models": {}}
     for model in args.models:
         on_gpu, on_cpu = stock(args.reference, model, args.tokens, True), stock(args.reference, model, args.tokens, False)

@@ -83,7 +83,8 @@ def numerics_option(command=None, *, baseline: bool = False):
     def decorate(command):
         return click.option("--numerics", type=click.Choice(numerics.CLASSES if baseline else numerics.CHOICES),
                             default=None,
-                            help="invariant: every row's logits bit-identical however rows are batched (CPU only); "
+                            help="invariant: every row's logits bit-identical however rows are batched (the CPU, "
+                                 "or a GPU on the Vulkan engine); "
                                  "stock: stock llama.cpp's default kernels and its tokens for one session, but a "
                                  "session batched with others may differ from it alone "
                                  "[default: invariant; stock on a GPU]")(command)

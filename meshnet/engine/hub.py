@@ -124,6 +124,8 @@ def _resume_blob(repo: str, name: str, revision: str, lfs, endpoint: str | None,
 
     folder = "models--" + repo.replace("/", "--")
     blob = cache / folder / "blobs" / lfs.sha256
+    if blob.exists():   # before any lock: a cache may be mounted read-only
+        return
     part = blob.with_name(blob.name + ".meshnet-part")
     lock = cache / ".locks" / folder / f"{lfs.sha256}.lock"   # the lock huggingface_hub takes for this blob
     lock.parent.mkdir(parents=True, exist_ok=True)

@@ -77,6 +77,7 @@ def measure(path: str, n_threads: int = 2, steps: int = STEPS) -> dict:
     except MeshnetError as e:   # a GPU backend without the mode (CUDA's)
         report["batching_invariant"] = {"error": str(e)}
     half = info.n_layer // 2
+    report["splits"] = half > 0
     for name, on_gpu in (("GPU head, CPU tail", [0]), ("CPU head, GPU tail", [1])):
         if half == 0:
             break
@@ -88,6 +89,4 @@ def measure(path: str, n_threads: int = 2, steps: int = STEPS) -> dict:
                 raise
             report["splits"] = False
             break
-    else:
-        report["splits"] = half > 0
     return report

@@ -60,6 +60,11 @@ int main(int argc, char ** argv) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers    = gpu ? -1 : 0;
+    // without --gpu nothing reaches a GPU, not even a large batch's work (op_offload below)
+    ggml_backend_dev_t no_devices[1] = {nullptr};
+    if (!gpu) {
+        mparams.devices = no_devices;
+    }
     llama_model * model = llama_model_load_from_file(model_path, mparams);
     if (!model) {
         std::fprintf(stderr, "could not load %s\n", model_path);
@@ -85,6 +90,7 @@ int main(int argc, char ** argv) {
         cparams.n_batch         = 512;
         cparams.n_ubatch        = 512;
         cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        cparams.op_offload      = gpu;
 #ifdef MESHNET_ROW_INVARIANT
         cparams.row_invariant   = row_invariant;
 #endif
