@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-from pathlib import Path
 
 from meshnet.evidence.drift import kl_divergence
 
