@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 15
+#define MESHNET_ENGINE_ABI_VERSION 16
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -104,7 +104,7 @@ typedef struct {
                               largest count up to it that divides the physical batch; info says) */
     int32_t n_batch;       /* most tokens in one forward call */
     int32_t n_ubatch;      /* physical batch: longer calls run in chunks of this; 0 = n_batch */
-    int32_t n_threads;     /* 0 = one per core */
+    int32_t n_threads;     /* 0 = meshnet_default_threads() */
     int32_t flash_attn;    /* 1 = flash attention; results then depend on how a prompt is chunked */
     int32_t gpu;           /* 1 = every layer, the KV cache and the compute on the first GPU;
                               0 = the CPU alone, also in an engine built with a GPU backend */
@@ -232,6 +232,11 @@ typedef struct {
 MESHNET_API int32_t      meshnet_engine_abi_version(void);
 /* "llama.cpp@<commit> sdist=<sha256> patches=<sha256>" */
 MESHNET_API const char * meshnet_engine_pin(void);
+/* The compute threads of a stage whose params leave n_threads 0: llama.cpp's own default
+ * (one per physical core; a hybrid CPU's performance cores), at most the CPUs this process
+ * may run on. A thread on every SMT sibling adds no arithmetic, only another member to the
+ * pool's barrier that waits whenever anything else on the machine takes its CPU. */
+MESHNET_API int32_t      meshnet_default_threads(void);
 /* The support table's line for a GGUF general.architecture name; *reason (may be NULL)
  * is set to a static string, empty for an architecture that splits. */
 MESHNET_API meshnet_arch_support meshnet_arch_support_of(const char * arch, const char ** reason);

@@ -28,9 +28,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <typeinfo>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #ifndef MESHNET_LLAMA_COMMIT
 #define MESHNET_LLAMA_COMMIT "unknown"
@@ -645,7 +648,7 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     }
 
     const bool is_tail = il_end == summary.n_layer;
-    const int32_t n_threads = p->n_threads > 0 ? p->n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    const int32_t n_threads = p->n_threads > 0 ? p->n_threads : meshnet_default_threads();
 
     // a pool: one unified cache of pool_cells that the sessions share, each placed in
     // blocks of its own; else (or one session) a stream of n_ctx cells per session
@@ -1309,6 +1312,17 @@ extern "C" {
 
 int32_t meshnet_engine_abi_version(void) {
     return MESHNET_ENGINE_ABI_VERSION;
+}
+
+int32_t meshnet_default_threads(void) {
+    int32_t threads = std::max(1, (int32_t) common_cpu_get_num_math());
+#if defined(__linux__)
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
+        threads = std::min(threads, (int32_t) CPU_COUNT(&allowed));
+    }
+#endif
+    return threads;
 }
 
 const char * meshnet_engine_pin(void) {

@@ -4,6 +4,8 @@
   gpu        the whole model in one GPU worker         (GPU-only decode rate; drift vs the CPU)
   head-gpu   head on the GPU, tail on the CPU          (--allow-mixed; mixed decode rate; drift)
   tail-gpu   head on the CPU, tail on the GPU          (the reverse)
+  tail-gpu-vcpus  tail-gpu with a thread on every vCPU  (the default before meshnet_default_threads,
+                                                       beside tail-gpu's new default in the same run)
   head-gpu without --allow-mixed, tail-gpu likewise    (refused by the tracker, naming both classes)
 
 each through `meshnet drift --json`, which compares the route with the whole model on the
@@ -28,14 +30,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from meshnet.engine.binding import default_threads  # noqa: E402
 from meshnet.engine.models import MODELS  # noqa: E402
 
-CONFIGS = {            # name: (stages, --gpu positions, --allow-mixed)
-    "cpu": (1, None, False),
-    "gpu": (1, "all", True),
-    "head-gpu": (2, "0", True),
-    "tail-gpu": (2, "1", True),
+CONFIGS = {            # name: (stages, --gpu positions, --allow-mixed, --threads; 0 the default)
+    "cpu": (1, None, False, 0),
+    "gpu": (1, "all", True, 0),
+    "head-gpu": (2, "0", True, 0),
+    "tail-gpu": (2, "1", True, 0),
+    # a CPU head beside a GPU tail took 17.8 ms per token with a thread on each of 16 vCPUs
+    # and 4.3 ms with 4 (evidence/20261130T225745Z-gpu-check): the old default, side by side
+    "tail-gpu-vcpus": (2, "1", True, len(os.sched_getaffinity(0))),
 }
+BACKENDS = {"cpu": ["CPU"], "gpu": ["CUDA"], "head-gpu": ["CUDA", "CPU"], "tail-gpu": ["CPU", "CUDA"],
+            "tail-gpu-vcpus": ["CPU", "CUDA"]}
 REFUSALS = {"head-gpu-refused": (2, "0"), "tail-gpu-refused": (2, "1")}
 RUN_TIMEOUT = int(os.environ.get("GPU_CHECK_RUN_TIMEOUT", "600"))   # seconds per drift run
 
@@ -57,9 +65,10 @@ def known_model(path: Path) -> tuple[str, str]:
     sys.exit(f"gpu_check: {path} (sha256 {sha}) is none of meshnet's models ({', '.join(MODELS)})")
 
 
-def drift(model: Path, stages: int, gpu: str | None, allow_mixed: bool, tokens: int, log: Path) -> tuple[int, dict | None, str]:
+def drift(model: Path, stages: int, gpu: str | None, allow_mixed: bool, tokens: int, log: Path,
+          threads: int = 0) -> tuple[int, dict | None, str]:
     args = [sys.executable, "-m", "meshnet.cli.main", "drift", "--model", str(model), "--stages", str(stages),
-            "--tokens", str(tokens), "--json"]
+            "--tokens", str(tokens), "--threads", str(threads), "--json"]
     if gpu is not None:
         args += ["--gpu", gpu]
     if allow_mixed:
@@ -89,6 +98,8 @@ def gpu_identity() -> dict:
         "nvcc": (run("nvcc", "--version") or "").splitlines()[-1:],
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None),
         "cores": os.cpu_count(),
+        # a CPU stage's threads unless told (llama.cpp's default: one per physical core)
+        "default_threads": default_threads(),
         "python": platform.python_version(),
     }
 
@@ -118,14 +129,14 @@ def main() -> int:
         model = Path(model_arg)
         name, sha = known_model(model)
         runs = manifest["models"][name] = {"file": model.name, "sha256": sha, "runs": {}}
-        for config, (stages, gpu, allow_mixed) in CONFIGS.items():
-            code, report, last_words = drift(model, stages, gpu, allow_mixed, args.tokens, log)
+        for config, (stages, gpu, allow_mixed, threads) in CONFIGS.items():
+            code, report, last_words = drift(model, stages, gpu, allow_mixed, args.tokens, log, threads)
             runs["runs"][config] = report if report is not None else {"exit": code, "error": last_words}
             if report is None:
                 check(f"{name} {config}: the route runs", False, error=last_words)
                 continue
             backends = [s["backend"] for s in report["route"]]
-            want = {"cpu": ["CPU"], "gpu": ["CUDA"], "head-gpu": ["CUDA", "CPU"], "tail-gpu": ["CPU", "CUDA"]}[config]
+            want = BACKENDS[config]
             check(f"{name} {config}: stages report backends {want}", backends == want, backends=backends,
                   devices=[s["device"] for s in report["route"]])
             if config == "cpu":

@@ -30,7 +30,7 @@ from meshnet.engine import models
 @click.option("--chat", "chat_message", default=None,
               help="instead of continuing --prompt, answer this user message through the model's chat template")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=48, show_default=True)
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per physical core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True, help="context tokens")
 @click.option("--in-process", is_flag=True, help="run every stage in this process instead of worker processes")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (tokens, text, metrics) on the last line")
@@ -181,7 +181,7 @@ class TextStreamer:
 @click.option("--model", default=None, help=f"model name ({', '.join(sorted(models.MODELS))}), GGUF path (any split of one), "
               f"hf:ORG/REPO[:QUANT|:FILE] or ollama:NAME[:TAG] [default: {models.DEFAULT_MODEL}]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="split the model into N stages with even shares of the per-token work [default: 2]")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per physical core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=defaults.N_CTX, show_default=True,
               help="context tokens: the conversation's oldest turns leave it when it is full")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="tokens per answer at most")

@@ -49,7 +49,7 @@ def _stage_indices(text: str) -> tuple[int, ...] | str:
 @click.option("--against", type=click.Choice(["whole"]), default="whole", show_default=True,
               help="what the route is compared with: the whole model on the CPU in this process")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), default=64, show_default=True, help="greedy tokens per prompt")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage and for the whole model [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage and for the whole model [default: one per physical core]")
 @click.option("--json", "as_json", is_flag=True)
 @numerics_option
 def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as_json, numerics):
@@ -104,7 +104,7 @@ def drift(model, stages, split, gpu, allow_mixed, against, n_tokens, threads, as
 @click.option("--stages", type=click.IntRange(min=2), default=2, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="runs of each prompt per configuration")
 @click.option("--decode", "n_decode", type=click.IntRange(min=1), default=64, show_default=True, help="tokens decoded per run")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per physical core]")
 @click.option("--configs", default=",".join(("whole", "stages", "workers", "plain")), show_default=True,
               help="which of whole, stages, workers (with CURVE keys, as meshnet run) and plain (workers without "
                    "keys) to run")
@@ -156,7 +156,7 @@ def bench(model_names, stages, repeats, n_decode, threads, configs, sessions, nu
 @click.command()
 @click.option("--model", default=models.DEFAULT_MODEL, show_default=True, help="model name or GGUF path")
 @click.option("--out", "out_dir", default="evidence", show_default=True, help="where the run's directory is written")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="threads per stage [default: one per physical core]")
 @numerics_option
 @click.option("--only", "only", multiple=True, metavar="CHECK",
               help="run only this check (repeatable); the others are recorded as not asked for")

@@ -38,7 +38,7 @@ from meshnet.launch.progress import load_bars
                    "within --mem [default with --join: auto]")
 @click.option("--mem", default=None, callback=usage_error(parse_size),
               help="memory this worker admits, e.g. 800M or 1.5G (with --layers auto: the planner's budget for it)")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="compute threads [default: one per physical core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
               help=f"context tokens a session may grow to [default: the model's trained context, at least "
                    f"{defaults.N_CTX} and at most {defaults.CTX_CAP}, within --kv-pool]")

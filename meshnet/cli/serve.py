@@ -19,7 +19,7 @@ from meshnet.core.errors import MeshnetError
 @click.option("--api-key", envvar="MESHNET_API_KEY", default=None,
               help="clients must send 'Authorization: Bearer KEY' on /v1 [env: MESHNET_API_KEY]")
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="local workers: N stages [default: 2]")
-@click.option("--threads", type=click.IntRange(min=0), default=None, help="local workers: threads per stage [default: one per core]")
+@click.option("--threads", type=click.IntRange(min=0), default=None, help="local workers: threads per stage [default: one per physical core]")
 @click.option("--ctx", "n_ctx", type=click.IntRange(min=16), default=None,
               help=f"local workers: context tokens a session may grow to [default: the model's trained context, at "
                    f"least {defaults.N_CTX} and at most {defaults.CTX_CAP}, within --kv-pool]")

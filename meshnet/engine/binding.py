@@ -32,7 +32,7 @@ DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 # MESHNET_GPU_ENGINE=cuda or vulkan names one
 GPU_LIBRARIES = {"cuda": REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so",
                  "vulkan": REPO_ROOT / "build" / "vulkan" / "libmeshnet_engine.so"}
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -109,6 +109,12 @@ def gpu_library() -> Path:
 
 def engine_pin(gpu: bool = False) -> str:
     return _ffi.string(library(gpu).meshnet_engine_pin()).decode()
+
+
+def default_threads(gpu: bool = False) -> int:
+    """The compute threads a stage runs unless told: llama.cpp's default (a thread per
+    physical core), at most the CPUs this process may run on."""
+    return int(library(gpu).meshnet_default_threads())
 
 
 def json_schema_grammar(schema: str) -> str:

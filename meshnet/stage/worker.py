@@ -13,6 +13,7 @@ given, and nothing else (no generic tensor or graph execution).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from meshnet.core.layers import LayerRange
 from meshnet.core.metrics import clock_id, rss_bytes
 from meshnet.core.planner import ModelCost, Settings, fitted_pool, format_size, stage_need
 from meshnet.core.trace import Timeline
-from meshnet.engine.binding import Stage, engine_pin, layer_memory
+from meshnet.engine.binding import Stage, default_threads, engine_pin, layer_memory
 from meshnet.net import addresses
 from meshnet.net import protocol as P
 from meshnet.net import security
@@ -77,7 +78,8 @@ class StageWorker:
     def __init__(self, config: WorkerConfig):
         addresses.checked(config.coordinator, "--coordinator")   # before the model loads: a typo fails at once
         addresses.checked(config.data_bind, "--data-bind")
-        self.config = config
+        # the threads resolved once: the stage, the polling choice and the capability agree
+        self.config = config = dataclasses.replace(config, n_threads=config.n_threads or default_threads(config.gpu))
         self.ctx = zmq.Context()
         if config.cpu is not None:
             # the I/O thread that receives an activation wakes the stage loop on its own CPU:
@@ -222,7 +224,7 @@ class StageWorker:
             **({"kv_pool_floor": self.config.kv_pool_floor} if self.config.kv_pool_floor else {}),
             "n_batch": self.config.n_batch,
             "clock_id": clock_id(),
-            "n_threads": self.config.n_threads or len(os.sched_getaffinity(0)),
+            "n_threads": self.config.n_threads,
             "n_cpus": len(os.sched_getaffinity(0)),
             "pid": os.getpid(),
             # one id for every connection this process makes: a coordinator that gets a

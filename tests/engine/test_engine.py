@@ -1,12 +1,17 @@
 """ACCEPTANCE section A: the engine runs a layer range of the real model, exactly."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 
 from meshnet.core.errors import MeshnetError
 from meshnet.core.layers import ranges_from_seams
-from meshnet.engine.binding import Entry, Stage
+from meshnet.engine.binding import Entry, Stage, default_threads
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline
 
@@ -362,3 +367,17 @@ def test_a_k_quant_model_batches_sessions_bit_exactly(qwen_path):
     for a, b in zip(alone, together):
         assert b.tokens == a.tokens
         assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_a_stage_left_to_its_default_threads_takes_one_per_physical_core_of_the_cpus_it_may_use():
+    # llama.cpp's own default (common_cpu_get_num_math: a core's SMT siblings share one
+    # thread), at most the CPUs this process is allowed: a worker pinned to one CPU computes
+    # on one thread instead of several that take turns on it
+    siblings = {Path(p).read_text() for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings")}
+    allowed = os.sched_getaffinity(0)
+    assert default_threads() == min(len(siblings), len(allowed))
+    pinned = subprocess.run(
+        [sys.executable, "-c", "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+                               "from meshnet.engine.binding import default_threads; print(default_threads())"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert pinned.stdout.strip() == "1"
