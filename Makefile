@@ -198,7 +198,7 @@ test: all reference test-models
 	$(VENV_PYTHON) -m compileall -q meshnet tests tools
 	cmake --build $(CMAKE_DIR) --target meshnet_abi_test meshnet_kernel_invariance -j $(JOBS)
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
-	MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 $(VENV_PYTHON) -m pytest -q tests
+	MESHNET_ENABLE_REAL_INFERENCE_TESTS=1 $(VENV_PYTHON) -m pytest -q --durations=40 tests
 
 # the pure logic alone: no model, no engine library, no socket, no thread (seconds)
 test-unit: python

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 16
+#define MESHNET_ENGINE_ABI_VERSION 17
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -51,7 +51,8 @@ typedef enum {
     MESHNET_ERR_NO_TEMPLATE       = 16, /* the model has no chat template llama.cpp knows */
     MESHNET_ERR_NO_GPU            = 17, /* a GPU stage was asked of an engine without one */
     MESHNET_ERR_CANNOT_ROLL_BACK  = 18, /* a recurrent state cannot be cut back to an earlier position */
-    MESHNET_ERR_KV_FULL           = 19  /* the stage's KV pool has no room for the session's next positions */
+    MESHNET_ERR_KV_FULL           = 19, /* the stage's KV pool has no room for the session's next positions */
+    MESHNET_ERR_TP_EXCHANGE       = 20  /* a tensor-parallel member's exchange with its group failed */
 } meshnet_status;
 
 typedef struct meshnet_stage meshnet_stage;
@@ -131,6 +132,24 @@ typedef struct {
      * leave the cores to another stage on this machine; a stage with cores of its own polls,
      * since waking a sleeping core costs the VMs measured up to milliseconds a token */
     int32_t thread_poll;
+    /* Tensor parallelism: member tp_rank of a group of tp_size (both 0: whole layers). The
+     * member holds its share of every layer of its range: its attention heads (whole KV
+     * groups, or the single KV head of a one-KV-head model, replicated), its rows of the
+     * attention output and of the FFN's gate, up and down; everything else whole. Where a
+     * layer sums over a split dimension, tp_gather (required then) gathers the group's rows:
+     * it fills WHOLE (n_whole floats a row, n_rows rows) with every member's columns in
+     * member order, this member's n_local columns (LOCAL) beginning at column OFFSET; POINT
+     * is 0 (attention heads), 1 (attention output), 2 (FFN activation) or 3 (FFN output) of
+ * LAYER, or 4, the tail's logits (LAYER = n_layer), where it holds its rows of the output.
+     * Every member computes every value exactly as the whole model does. tp_gather runs on
+     * a compute thread inside meshnet_stage_forward, in the same order on every member;
+     * nonzero stops the forward pass with MESHNET_ERR_TP_EXCHANGE. CPU stages only; the
+     * llama family, qwen2, qwen3 and gemma3. */
+    int32_t tp_rank;
+    int32_t tp_size;
+    int32_t (*tp_gather)(void * user, int32_t layer, int32_t point, const float * local, int64_t n_local,
+                         int64_t offset, float * whole, int64_t n_whole, int64_t n_rows);
+    void * tp_gather_user;
 } meshnet_stage_params;
 
 typedef struct {
@@ -160,6 +179,9 @@ typedef struct {
                                  per-token state beside the residual crosses too (RWKV-7's
                                  first-layer value, Gemma 4's per-layer inputs) */
     int32_t  pool_cells;      /* the KV pool's cells, which the sessions share; 0: a stream per session */
+    int32_t  n_threads;       /* the compute threads it runs */
+    int32_t  tp_rank;         /* its place in a tensor-parallel group, 0/0 for whole layers */
+    int32_t  tp_size;
 } meshnet_stage_info;
 
 /* One session's input in a forward batch. The head passes token ids; any other

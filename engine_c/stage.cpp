@@ -224,6 +224,10 @@ struct meshnet_stage {
     std::vector<session_slot> slots;          // index = llama sequence id
     std::vector<llama_token_data> candidates; // the sampler's working array, n_vocab long
     std::atomic<bool>         abort_requested{false};
+    // a tensor-parallel member: its exchange (the params'), and the failure that stopped a pass
+    int32_t (*tp_gather)(void *, int32_t, int32_t, const float *, int64_t, int64_t, float *, int64_t, int64_t) = nullptr;
+    void *                    tp_gather_user = nullptr;
+    std::atomic<bool>         tp_failed{false};
     std::string               last_error;
     common_chat_templates_ptr chat_templates;   // the GGUF's Jinja template, parsed on first use
     // one KV pool that the sessions share (pool_cells > 0): who holds each block of
@@ -418,6 +422,20 @@ meshnet_status reserve(meshnet_stage * stage, session_slot & slot, int64_t n_cel
     return move_to(stage, slot, at, need);
 }
 
+// llama.cpp's gather of a tensor-parallel member (llama-ext.h) through the stage's own; a
+// failed exchange stops the pass at the next node, with what it was given filled with zeros
+void tp_gather(void * user, int32_t il, int32_t point, const float * local, int64_t n_local, int64_t offset,
+               float * whole, int64_t n_whole, int64_t n_rows) {
+    meshnet_stage * stage = static_cast<meshnet_stage *>(user);
+    if (!stage->tp_failed.load(std::memory_order_relaxed) &&
+        stage->tp_gather(stage->tp_gather_user, il, point, local, n_local, offset, whole, n_whole, n_rows) == 0) {
+        return;
+    }
+    stage->tp_failed.store(true);
+    stage->abort_requested.store(true);
+    std::memset(whole, 0, sizeof(float) * (size_t) n_whole * (size_t) n_rows);
+}
+
 bool abort_callback(void * data) {
     return static_cast<meshnet_stage *>(data)->abort_requested.load(std::memory_order_relaxed);
 }
@@ -516,6 +534,15 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
         err = format("invalid stage parameters: n_ctx=%d (>= 1), max_sessions=%d (1..256), n_batch=%d (>= 1), "
                      "n_ubatch=%d (>= 0), n_threads=%d (>= 0), pool_cells=%d (0, or at least n_ctx)",
                      p->n_ctx, p->max_sessions, p->n_batch, p->n_ubatch, p->n_threads, p->pool_cells);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    if (p->tp_size != 0 && (p->tp_size < 2 || p->tp_rank < 0 || p->tp_rank >= p->tp_size || !p->tp_gather)) {
+        err = format("tensor-parallel member %d of %d: a group of 2 or more, a rank below its size, and an exchange "
+                     "(tp_gather)", p->tp_rank, p->tp_size);
+        return MESHNET_ERR_INVALID_ARGUMENT;
+    }
+    if (p->tp_size != 0 && p->gpu) {
+        err = "tensor parallelism runs on CPU stages (its exchange is a CPU operation in the graph): leave out --gpu";
         return MESHNET_ERR_INVALID_ARGUMENT;
     }
     if (p->thread_poll < 0 || p->thread_poll > 100) {
@@ -617,6 +644,8 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     mparams.load_mode   = LLAMA_LOAD_MODE_NONE;
     mparams.layer_start = ranged ? il_start : 0;
     mparams.layer_end   = ranged ? il_end   : 0;
+    mparams.tp_rank     = p->tp_rank;
+    mparams.tp_size     = p->tp_size;
     // the repacked weight layouts (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2) in both classes: they
     // stream the weights faster, and in the invariant class a row's sums do not depend on the
     // rows beside it in them either (patch 0015: the gemv sums as the gemm, or takes every row)
@@ -721,6 +750,11 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     if (!stage->placed_caches.empty()) {
         stage->block_owner.assign(llama_n_ctx(stage->ctx) / POOL_BLOCK, -1);
     }
+    if (p->tp_size != 0) {
+        stage->tp_gather      = p->tp_gather;
+        stage->tp_gather_user = p->tp_gather_user;
+        llama_set_tp_gather(stage->ctx, tp_gather, stage);
+    }
     // a thread pool of our own that, unless asked to poll, sleeps between forward passes:
     // with ggml's default (a pool per pass whose threads spin-poll) a stage's idle threads
     // steal the cores that the next stage, in another process on the same machine, computes on
@@ -766,6 +800,9 @@ meshnet_status open_stage(const meshnet_stage_params * p, meshnet_stage * stage,
     }
     std::snprintf(info.engine_pin, sizeof(info.engine_pin), "%s", meshnet_engine_pin());
     info.numerics = p->numerics;
+    info.n_threads = n_threads;
+    info.tp_rank   = p->tp_rank;
+    info.tp_size   = p->tp_size;
     return MESHNET_OK;
 }
 
@@ -1128,9 +1165,13 @@ struct forward_pass {
 
     meshnet_status compute() {
         stage->abort_requested.store(false);
+        stage->tp_failed.store(false);
         const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
-        if (rc == 0) {
+        if (rc == 0 && !stage->tp_failed.load()) {
             return MESHNET_OK;
+        }
+        if (stage->tp_failed.load()) {
+            return fail(MESHNET_ERR_TP_EXCHANGE, "the exchange with the tensor-parallel group failed; the forward pass was stopped");
         }
         if (rc == 2) {
             return fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");

@@ -67,6 +67,8 @@ WORKER_EXITED = _code("worker_exited", 4, "a worker process exited or stopped be
 ADDRESS_IN_USE = _code("address_in_use", 4, "the address to listen on is already taken")
 TIMEOUT = _code("timeout", 4, "an operation did not finish in the time given to it", http=503)
 JOIN_REFUSED = _code("join_refused", 4, "a join token this mesh does not admit: rotated, forged or not a token")
+TP_EXCHANGE = _code("tp_exchange", 4, "a tensor-parallel member could not exchange its rows with its group "
+                    "(a member lost, or its answer refused)", http=503, engine=20)
 FETCH_FAILED = _code("fetch_failed", 4, "a model's bytes could not be fetched from any holder, or failed their hash")
 
 # 5: the request

@@ -32,7 +32,7 @@ DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 # MESHNET_GPU_ENGINE=cuda or vulkan names one
 GPU_LIBRARIES = {"cuda": REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so",
                  "vulkan": REPO_ROOT / "build" / "vulkan" / "libmeshnet_engine.so"}
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS
@@ -219,6 +219,9 @@ class StageInfo:
                           # beside the residual crosses too (RWKV-7's first-layer value, Gemma 4's
                           # per-layer inputs)
     pool_cells: int       # the KV pool's cells, which the sessions share; 0: a stream of n_ctx per session
+    n_threads: int        # the compute threads it runs
+    tp_rank: int          # its place in a tensor-parallel group (tp_size 0: whole layers)
+    tp_size: int
 
 
 @dataclass
@@ -280,12 +283,19 @@ class Stage:
         pool_cells: int = 0,
         kv_type: str = kv_cache.DEFAULT,
         thread_poll: int = 0,
+        tp: tuple[int, int] | None = None,
+        tp_gather: Callable[[int, int, np.ndarray, int, np.ndarray], None] | None = None,
     ):
         """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1).
         POOL_CELLS: one KV pool of that many cells that the sessions share, each up to n_ctx
         (meshnet_engine.h); 0: a KV stream of n_ctx cells per session. KV_TYPE: the cache's
         element types (core/kv_cache.py). THREAD_POLL: 0..100, the compute threads' polling for
-        the next forward pass before they sleep (meshnet_engine.h): for a stage with cores of its own."""
+        the next forward pass before they sleep (meshnet_engine.h): for a stage with cores of its own.
+        TP: (rank, size), this stage one member of a tensor-parallel group, which holds its share
+        of every layer's heads and rows; TP_GATHER(layer, point, local, offset, whole) then
+        fills WHOLE (rows x the whole width) with every member's columns in member order, this
+        member's LOCAL (rows x its width) at column OFFSET, on a compute thread inside forward();
+        what it raises stops the forward pass (tp_exchange) and is kept in tp_error."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -307,8 +317,26 @@ class Stage:
                 "pool_cells": pool_cells,
                 **dict(zip(("type_k", "type_v"), kv_cache.codes(kv_type))),
                 "thread_poll": thread_poll,
+                **({"tp_rank": tp[0], "tp_size": tp[1]} if tp else {}),
             },
         )
+        self.tp_error: BaseException | None = None
+        if tp:
+            if tp_gather is None:
+                raise MeshnetError(errors.INVALID_ARGUMENT, "a tensor-parallel member needs its group's exchange (tp_gather)")
+
+            def on_gather(_user, layer, point, local, n_local, offset, whole, n_whole, n_rows):
+                try:
+                    mine = np.frombuffer(_ffi.buffer(local, 4 * n_local * n_rows), dtype=np.float32).reshape(n_rows, n_local)
+                    out = np.frombuffer(_ffi.buffer(whole, 4 * n_whole * n_rows), dtype=np.float32).reshape(n_rows, n_whole)
+                    tp_gather(layer, point, mine, offset, out)
+                    return 0
+                except BaseException as e:   # (nothing may cross the engine's compute thread)
+                    self.tp_error = e
+                    return 1
+            # (held by the stage: the engine calls it in every forward pass)
+            params.tp_gather = self._tp_callback = _ffi.callback(
+                "int32_t(void *, int32_t, int32_t, const float *, int64_t, int64_t, float *, int64_t, int64_t)", on_gather)
         if progress is not None:
             def on_progress(fraction, _user):
                 try:
@@ -349,7 +377,10 @@ class Stage:
     def _check(self, status: int) -> None:
         if status != 0:
             message = _ffi.string(self._lib.meshnet_stage_last_error(self._stage)).decode(errors="replace")
-            raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), message)
+            cause, self.tp_error = getattr(self, "tp_error", None), None
+            if cause is not None:
+                message += f": {cause}"
+            raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), message) from cause
 
     def _live(self):
         if self._stage is None:
