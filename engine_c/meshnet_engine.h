@@ -366,6 +366,25 @@ MESHNET_API meshnet_status meshnet_chat_template(meshnet_stage * stage, const me
                                  int32_t n_messages, int32_t add_assistant,
                                  char * text, int32_t capacity, int32_t * n_out);
 
+/* A tensor-parallel member's exchange over ZeroMQ sockets the caller made and configured
+ * (CURVE, timeouts): meshnet_tp_link_gather is a meshnet_stage_params.tp_gather, with the
+ * link as tp_gather_user. PEERS[r] is a socket to member r (NULL for the member itself) that
+ * carries one two-part message each way a gather (ZMQ_PAIR); SEND and RECV are zmq_send and
+ * zmq_recv of the libzmq the sockets belong to. A gather sends this member's rows to every
+ * peer, then takes each peer's, checking its header (layer, gather point, rows, and columns
+ * that fit the whole row beside the others' without overlap) before its rows go into place;
+ * a peer silent past the socket's receive timeout, or answering wrongly, fails the gather
+ * (meshnet_tp_link_error says why). NULL from new: a bad rank, size or socket list. */
+typedef struct meshnet_tp_link meshnet_tp_link;
+MESHNET_API meshnet_tp_link * meshnet_tp_link_new(int32_t rank, int32_t size, void * const * peers,
+                                                  int (*send)(void *, const void *, size_t, int),
+                                                  int (*recv)(void *, void *, size_t, int));
+MESHNET_API void              meshnet_tp_link_free(meshnet_tp_link * link);
+MESHNET_API const char *      meshnet_tp_link_error(const meshnet_tp_link * link);
+MESHNET_API int32_t           meshnet_tp_link_gather(void * link, int32_t layer, int32_t point, const float * local,
+                                                     int64_t n_local, int64_t offset, float * whole, int64_t n_whole,
+                                                     int64_t n_rows);
+
 #ifdef __cplusplus
 }
 #endif

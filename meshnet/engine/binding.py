@@ -285,6 +285,7 @@ class Stage:
         thread_poll: int = 0,
         tp: tuple[int, int] | None = None,
         tp_gather: Callable[[int, int, np.ndarray, int, np.ndarray], None] | None = None,
+        tp_link=None,
     ):
         """PROGRESS: called from the loading thread with the fraction of the weights read (0 to 1).
         POOL_CELLS: one KV pool of that many cells that the sessions share, each up to n_ctx
@@ -295,7 +296,8 @@ class Stage:
         of every layer's heads and rows; TP_GATHER(layer, point, local, offset, whole) then
         fills WHOLE (rows x the whole width) with every member's columns in member order, this
         member's LOCAL (rows x its width) at column OFFSET, on a compute thread inside forward();
-        what it raises stops the forward pass (tp_exchange) and is kept in tp_error."""
+        what it raises stops the forward pass (tp_exchange) and is kept in tp_error. Or TP_LINK,
+        the engine's own exchange over the group's sockets (engine/tp_link.py), without Python."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -321,7 +323,11 @@ class Stage:
             },
         )
         self.tp_error: BaseException | None = None
-        if tp:
+        self._tp_link = tp_link   # (held: the engine uses it in every forward pass)
+        if tp and tp_link is not None:
+            params.tp_gather = lib.meshnet_tp_link_gather
+            params.tp_gather_user = tp_link
+        elif tp:
             if tp_gather is None:
                 raise MeshnetError(errors.INVALID_ARGUMENT, "a tensor-parallel member needs its group's exchange (tp_gather)")
 
@@ -380,6 +386,8 @@ class Stage:
             cause, self.tp_error = getattr(self, "tp_error", None), None
             if cause is not None:
                 message += f": {cause}"
+            elif status == self._lib.MESHNET_ERR_TP_EXCHANGE and getattr(self, "_tp_link", None) is not None:
+                message += ": " + _ffi.string(self._lib.meshnet_tp_link_error(self._tp_link)).decode(errors="replace")
             raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), message) from cause
 
     def _live(self):

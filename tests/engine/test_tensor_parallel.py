@@ -2,9 +2,11 @@
 share of every layer's heads and rows, gives the whole model's logits bit for bit."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import zmq
 
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import Entry, Stage
@@ -137,3 +139,73 @@ def test_a_group_whose_member_is_lost_fails_every_member_at_once():
             group.forward([Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
     assert e.value.code == "tp_exchange"
     assert "member 1 was lost" in e.value.message
+
+
+def linked_pair(ctx, curve: bool = True, timeout_ms: int = 30_000):
+    """Two members' links over loopback TCP, member 0 binding for member 1."""
+    from meshnet.stage.tp_group import GroupLink
+    from meshnet.net.security import KeyPair
+    keys = [KeyPair(*zmq.curve_keypair()) if curve else None for _ in range(2)]
+    links = [GroupLink(ctx, rank, 2, keys[rank], timeout_ms) for rank in range(2)]
+    endpoint = links[0].bind_for(1)
+    links[1].connect_to(0, endpoint, keys[0].public if curve else None)
+    return links
+
+
+def test_members_linked_over_zeromq_sockets_exchange_in_the_engine_and_give_the_whole_models_logits():
+    path = generated("qwen2")
+    prompts = {1: [1, 5, 9, 13, 17], 2: [2, 4, 8]}
+    with Stage(path, **OPTIONS) as whole:
+        expected = passes(whole, prompts, steps=3)
+    ctx = zmq.Context()
+    links = linked_pair(ctx)
+    members = [Stage(path, tp=(rank, 2), tp_link=links[rank].engine_link(), **OPTIONS) for rank in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda m: passes(m, prompts, steps=3), members))
+        for logits in got:
+            assert_same(expected, logits)
+        assert all(link.sockets[1 - link.rank].getsockopt(zmq.MECHANISM) == zmq.CURVE for link in links)
+    finally:
+        for m in members:
+            m.close()
+        for link in links:
+            link.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("answer, why", [
+    ("another gather", "with another gather's rows"),
+    ("short rows", "bytes, not"),
+    ("overlap", "overlap another member's"),
+    ("silence", "sent nothing"),
+])
+def test_a_member_refuses_a_peers_wrong_or_missing_rows_with_a_clear_error(answer, why):
+    """Member 1's socket held by the test, answering as a broken or hostile peer would."""
+    import struct
+    path = generated("llama")
+    ctx = zmq.Context()
+    links = linked_pair(ctx, curve=False, timeout_ms=2_000)
+    peer = links[1].sockets[0]
+    try:
+        with Stage(path, tp=(0, 2), tp_link=links[0].engine_link(), **OPTIONS) as member:
+            member.open_session(1)
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(member.forward, [Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
+                header = peer.recv()
+                rows = peer.recv()
+                layer, point, n_rows, n_local, offset = struct.unpack("iiqqq", header)
+                if answer == "another gather":
+                    peer.send_multipart([struct.pack("iiqqq", layer + 1, point, n_rows, n_local, n_local), rows])
+                elif answer == "short rows":
+                    peer.send_multipart([struct.pack("iiqqq", layer, point, n_rows, n_local, n_local), rows[:-4]])
+                elif answer == "overlap":   # member 0's own columns
+                    peer.send_multipart([struct.pack("iiqqq", layer, point, n_rows, n_local, offset), rows])
+                with pytest.raises(MeshnetError) as e:
+                    pending.result(timeout=120)
+        assert e.value.code == "tp_exchange"
+        assert why in e.value.message
+    finally:
+        for link in links:
+            link.close()
+        ctx.term()
