@@ -374,7 +374,9 @@ MESHNET_API meshnet_status meshnet_chat_template(meshnet_stage * stage, const me
  * peer, then takes each peer's, checking its header (layer, gather point, rows, and columns
  * that fit the whole row beside the others' without overlap) before its rows go into place;
  * a peer silent past the socket's receive timeout, or answering wrongly, fails the gather
- * (meshnet_tp_link_error says why). NULL from new: a bad rank, size or socket list. */
+ * (meshnet_tp_link_error says why) and breaks the link: the sockets may be out of step, so
+ * every later gather fails too, until the group is linked anew. NULL from new: a bad rank,
+ * size or socket list. */
 typedef struct meshnet_tp_link meshnet_tp_link;
 MESHNET_API meshnet_tp_link * meshnet_tp_link_new(int32_t rank, int32_t size, void * const * peers,
                                                   int (*send)(void *, const void *, size_t, int),

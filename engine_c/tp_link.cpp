@@ -34,9 +34,13 @@ struct meshnet_tp_link {
     std::vector<float> scratch;   // a peer's rows of a prompt, before they go into place
     std::vector<char> taken;      // the whole row's columns filled in this gather
     std::string error;
+    // a failed gather leaves the sockets out of step (a message unread, or one the peer
+    // never sent): every later gather fails too, until the group is linked anew
+    bool broken = false;
 
     int32_t fail(std::string message) {
         error = std::move(message);
+        broken = true;
         return 1;
     }
 };
@@ -74,6 +78,9 @@ const char * meshnet_tp_link_error(const meshnet_tp_link * link) {
 int32_t meshnet_tp_link_gather(void * user, int32_t layer, int32_t point, const float * local, int64_t n_local,
                                int64_t offset, float * whole, int64_t n_whole, int64_t n_rows) {
     auto * link = static_cast<meshnet_tp_link *>(user);
+    if (link->broken) {
+        return 1;   // (error still says why)
+    }
     const gather_header mine = { layer, point, n_rows, n_local, offset };
     const size_t local_bytes = sizeof(float) * (size_t) n_local * (size_t) n_rows;
     // every peer gets this member's rows first: no member waits on another to send

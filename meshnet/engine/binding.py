@@ -297,7 +297,8 @@ class Stage:
         fills WHOLE (rows x the whole width) with every member's columns in member order, this
         member's LOCAL (rows x its width) at column OFFSET, on a compute thread inside forward();
         what it raises stops the forward pass (tp_exchange) and is kept in tp_error. Or TP_LINK,
-        the engine's own exchange over the group's sockets (engine/tp_link.py), without Python."""
+        the engine's own exchange over the group's sockets (engine/tp_link.py's EngineLink, which
+        keeps them open as long as this stage holds it), without Python."""
         lib = library(gpu)
         self._lib = lib
         self._path = _ffi.new("char[]", os.fsencode(model_path))
@@ -326,7 +327,7 @@ class Stage:
         self._tp_link = tp_link   # (held: the engine uses it in every forward pass)
         if tp and tp_link is not None:
             params.tp_gather = lib.meshnet_tp_link_gather
-            params.tp_gather_user = tp_link
+            params.tp_gather_user = tp_link.cdata
         elif tp:
             if tp_gather is None:
                 raise MeshnetError(errors.INVALID_ARGUMENT, "a tensor-parallel member needs its group's exchange (tp_gather)")
@@ -387,7 +388,7 @@ class Stage:
             if cause is not None:
                 message += f": {cause}"
             elif status == self._lib.MESHNET_ERR_TP_EXCHANGE and getattr(self, "_tp_link", None) is not None:
-                message += ": " + _ffi.string(self._lib.meshnet_tp_link_error(self._tp_link)).decode(errors="replace")
+                message += ": " + _ffi.string(self._lib.meshnet_tp_link_error(self._tp_link.cdata)).decode(errors="replace")
             raise MeshnetError(STATUS_CODES.get(status, errors.INTERNAL), message) from cause
 
     def _live(self):

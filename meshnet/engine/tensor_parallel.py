@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -70,6 +70,14 @@ class LocalExchange:
                     self.cond.notify_all()
         return gather
 
+    def reset(self) -> None:
+        """Fresh slots and counts, the break forgotten: only while no member is in a gather."""
+        with self.cond:
+            self.slots = [[None] * self.size, [None] * self.size]
+            self.arrived = [0, 0]
+            self.generation = [0] * self.size
+            self.broken = None
+
     def break_(self, why: str) -> None:
         """Every member waiting, or arriving later, fails with WHY (a member lost)."""
         with self.cond:
@@ -98,17 +106,18 @@ class LocalGroup:
 
     def _all(self, call) -> list:
         futures = [self.pool.submit(call, member) for member in self.members]
-        results, failure = [], None
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as e:
-                # the others must not wait out their gathers for a member that has failed
-                self.exchange.break_(f"a member failed: {e}")
-                failure = failure or e
-        if failure is not None:
-            raise failure
-        return results
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            # the others must not wait out their gathers for a member that has failed
+            self.exchange.break_(f"a member failed: {failed}")
+        wait(pending)
+        if failed is not None:
+            # no member is in a gather now: the next call starts the exchange afresh (each
+            # member's engine drops what the failed pass left in its sessions)
+            self.exchange.reset()
+            raise failed
+        return [f.result() for f in futures]
 
     def forward(self, entries: Sequence[Entry], want_logits: bool = True) -> Output:
         return self._all(lambda m: m.forward(entries, want_logits))[0]

@@ -32,13 +32,20 @@ def _libzmq():
     return _zmq
 
 
-def engine_link(rank: int, size: int, sockets: Sequence[zmq.Socket | None]):
-    """Member RANK's meshnet_tp_link over SOCKETS, one to each other member (None for
-    itself): a Stage's tp_link. It is freed with its last reference."""
+class EngineLink:
+    """A meshnet_tp_link (cdata, freed with its last reference) and the sockets it sends
+    on, which it keeps open for as long as it lives: a Stage's tp_link."""
+
+    def __init__(self, cdata, sockets: Sequence[zmq.Socket | None]):
+        self.cdata, self.sockets = cdata, list(sockets)
+
+
+def engine_link(rank: int, size: int, sockets: Sequence[zmq.Socket | None]) -> EngineLink:
+    """Member RANK's meshnet_tp_link over SOCKETS, one to each other member (None for itself)."""
     zlib, lib = _libzmq(), library()
     peers = _ffi.new("void *[]", [_ffi.NULL if s is None else _ffi.cast("void *", s.underlying) for s in sockets])
     link = lib.meshnet_tp_link_new(rank, size, peers, _ffi.addressof(zlib, "zmq_send"), _ffi.addressof(zlib, "zmq_recv"))
     if link == _ffi.NULL:
         raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of {size} needs a socket to each other member "
                            "and none to itself")
-    return _ffi.gc(link, lib.meshnet_tp_link_free)
+    return EngineLink(_ffi.gc(link, lib.meshnet_tp_link_free), sockets)

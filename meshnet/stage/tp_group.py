@@ -11,6 +11,11 @@ from meshnet.engine.tp_link import engine_link
 from meshnet.net import security
 
 GATHER_TIMEOUT_MS = 30_000   # a member silent this long at a gather is lost to its group
+# the largest gather a peer may send: a batch of 512 rows of a 262,144-token vocabulary's
+# logits (the engine checks each message against the gather it is in; this bounds the
+# memory a peer can make ZeroMQ hold before that)
+MAX_GATHER_BYTES = 512 * 262_144 * 4 + 64
+QUEUED_MESSAGES = 16         # a gather is two parts; a peer cannot queue more than a few
 
 
 class GroupLink:
@@ -33,6 +38,9 @@ class GroupLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_GATHER_BYTES)
+        sock.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
+        sock.setsockopt(zmq.SNDHWM, QUEUED_MESSAGES)
         self.sockets[peer] = sock
         return sock
 

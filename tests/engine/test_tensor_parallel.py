@@ -95,6 +95,13 @@ def test_a_group_of_a_layer_range_passes_the_whole_models_residual():
     assert float(np.max(np.abs(expected - got))) == 0.0
 
 
+def test_a_group_of_three_splits_rows_in_blocks_of_eight_and_stays_exact(gemma3_path):
+    # Gemma 3 270M (Q4_K, one KV head): 640 embedding rows over 3 members as 208/216/216,
+    # whose rows take the repacked layout where the whole model's do
+    expected, got, _, _ = whole_and_group(gemma3_path, 3, {1: [1, 100, 200, 300]}, steps=3)
+    assert_same(expected, got)
+
+
 @pytest.mark.parametrize("model", ["smollm2", "gemma3", "qwen"])
 def test_real_models_in_a_group_of_two_give_the_whole_models_logits(model, request):
     # SmolLM2: 9 heads over 3 KV heads (members of 1 and 2 KV groups); Gemma 3 270M: one KV
@@ -112,6 +119,8 @@ def test_what_cannot_be_split_is_refused_with_the_reason():
     # more members than a model's KV heads (the generated llama has 2 KV heads of 4 heads)
     with pytest.raises(MeshnetError, match="at most that many members"):
         LocalGroup(generated("llama"), 3, **OPTIONS)
+    with pytest.raises(MeshnetError, match="mixture of experts"):
+        LocalGroup(os.path.join(TEST_MODELS, "llama-moe.gguf"), 2, **OPTIONS)
     with pytest.raises(MeshnetError, match="tp_gather") as e:
         Stage(generated("llama"), tp=(0, 2), **OPTIONS)
     assert e.value.code == "invalid_argument"
@@ -130,15 +139,24 @@ def test_a_failed_exchange_stops_the_pass_with_its_cause():
     assert "the peer went away" in e.value.message
 
 
-def test_a_group_whose_member_is_lost_fails_every_member_at_once():
-    with LocalGroup(generated("llama"), 2, **OPTIONS) as group:
+def test_a_group_whose_member_is_lost_fails_every_member_at_once_and_the_next_pass_starts_afresh():
+    path = generated("llama")
+    with Stage(path, **OPTIONS) as whole:
+        expected = passes(whole, {2: [4, 5, 6]}, steps=2)
+    with LocalGroup(path, 2, **OPTIONS) as group:
         group.open_session(1)
         group.exchange.timeout = 600   # (a wait for the lost member would be this one's message)
         group.exchange.break_("member 1 was lost")
         with pytest.raises(MeshnetError) as e:
             group.forward([Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
-    assert e.value.code == "tp_exchange"
-    assert "member 1 was lost" in e.value.message
+        assert e.value.code == "tp_exchange"
+        assert "member 1 was lost" in e.value.message
+        # an error every member raises before any gather leaves the group as it was
+        with pytest.raises(MeshnetError) as e:
+            group.forward([Entry(9, 0, tokens=np.array([1], dtype=np.int32))])
+        assert e.value.code == "unknown_session"
+        group.release_session(1)
+        assert_same(expected, passes(group, {2: [4, 5, 6]}, steps=2))
 
 
 def linked_pair(ctx, curve: bool = True, timeout_ms: int = 30_000):
@@ -203,8 +221,12 @@ def test_a_member_refuses_a_peers_wrong_or_missing_rows_with_a_clear_error(answe
                     peer.send_multipart([struct.pack("iiqqq", layer, point, n_rows, n_local, offset), rows])
                 with pytest.raises(MeshnetError) as e:
                     pending.result(timeout=120)
-        assert e.value.code == "tp_exchange"
-        assert why in e.value.message
+            assert e.value.code == "tp_exchange"
+            assert why in e.value.message
+            # the sockets may be out of step now: every later pass fails at once, saying why
+            with pytest.raises(MeshnetError) as again:
+                member.forward([Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
+            assert again.value.code == "tp_exchange" and why in again.value.message
     finally:
         for link in links:
             link.close()
