@@ -1167,11 +1167,12 @@ struct forward_pass {
         stage->abort_requested.store(false);
         stage->tp_failed.store(false);
         const int32_t rc = llama_process(stage->ctx, LLAMA_PROCESS_TYPE_DECODE, stage->batch);
-        if (rc == 0 && !stage->tp_failed.load()) {
-            return MESHNET_OK;
-        }
+        // (a failed exchange aborts the pass, or fails its last gather with nothing left to abort)
         if (stage->tp_failed.load()) {
             return fail(MESHNET_ERR_TP_EXCHANGE, "the exchange with the tensor-parallel group failed; the forward pass was stopped");
+        }
+        if (rc == 0) {
+            return MESHNET_OK;
         }
         if (rc == 2) {
             return fail(MESHNET_ERR_ABORTED, "the forward pass was aborted");
