@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define MESHNET_ENGINE_ABI_VERSION 17
+#define MESHNET_ENGINE_ABI_VERSION 18
 
 #if defined(__GNUC__)
 #define MESHNET_API __attribute__((visibility("default")))
@@ -366,22 +366,42 @@ MESHNET_API meshnet_status meshnet_chat_template(meshnet_stage * stage, const me
                                  int32_t n_messages, int32_t add_assistant,
                                  char * text, int32_t capacity, int32_t * n_out);
 
-/* A tensor-parallel member's exchange over ZeroMQ sockets the caller made and configured
- * (CURVE, timeouts): meshnet_tp_link_gather is a meshnet_stage_params.tp_gather, with the
- * link as tp_gather_user. PEERS[r] is a socket to member r (NULL for the member itself) that
- * carries one two-part message each way a gather (ZMQ_PAIR); SEND and RECV are zmq_send and
- * zmq_recv of the libzmq the sockets belong to. A gather sends this member's rows to every
- * peer, then takes each peer's, checking its header (layer, gather point, rows, and columns
- * that fit the whole row beside the others' without overlap) before its rows go into place;
- * a peer silent past the socket's receive timeout, or answering wrongly, fails the gather
- * (meshnet_tp_link_error says why) and breaks the link: the sockets may be out of step, so
- * every later gather fails too, until the group is linked anew. NULL from new: a bad rank,
- * size or socket list. */
+/* A tensor-parallel member's exchange over stream sockets (TCP) the caller connected to each
+ * other member and keyed: meshnet_tp_link_gather is a meshnet_stage_params.tp_gather, with
+ * the link as tp_gather_user. FDS[r] is the socket to member r (-1 for the member itself);
+ * the link reads and writes them without blocking and never closes them. With SEAL and OPEN
+ * (libsodium's crypto_aead_chacha20poly1305_ietf_encrypt and _decrypt, or functions of the
+ * same contract), each message's rows are sealed with KEYS[32 r .. 32 r + 31], the key the
+ * member shares with member r, under a nonce of the sender's rank and its count of messages
+ * on that link, and its header is authenticated with them; without (both NULL, KEYS
+ * unused) the rows go as they are. A gather sends this member's rows to every peer while
+ * it takes each peer's, checking its header (layer, gather point, rows, and columns that fit
+ * the whole row beside the others' without overlap) before reading its rows, and opening
+ * them before they go into place. It spins on the sockets for up to SPIN_US microseconds
+ * before sleeping in poll(); a gather not done in TIMEOUT_MS, a peer that closes its
+ * socket or answers wrongly fails the gather (meshnet_tp_link_error says why) and breaks
+ * the link: the streams may be out of step, so every later gather fails too, until the
+ * group is linked anew. NULL from new: a bad rank, size, socket list, key or time. */
+typedef int (*meshnet_tp_seal_fn)(unsigned char * sealed, unsigned long long * sealed_len, const unsigned char * plain,
+                                  unsigned long long plain_len, const unsigned char * ad, unsigned long long ad_len,
+                                  const unsigned char * nsec, const unsigned char * nonce, const unsigned char * key);
+typedef int (*meshnet_tp_open_fn)(unsigned char * plain, unsigned long long * plain_len, unsigned char * nsec,
+                                  const unsigned char * sealed, unsigned long long sealed_len, const unsigned char * ad,
+                                  unsigned long long ad_len, const unsigned char * nonce, const unsigned char * key);
 typedef struct meshnet_tp_link meshnet_tp_link;
-MESHNET_API meshnet_tp_link * meshnet_tp_link_new(int32_t rank, int32_t size, void * const * peers,
-                                                  int (*send)(void *, const void *, size_t, int),
-                                                  int (*recv)(void *, void *, size_t, int));
+MESHNET_API meshnet_tp_link * meshnet_tp_link_new(int32_t rank, int32_t size, const int32_t * fds, const uint8_t * keys,
+                                                  meshnet_tp_seal_fn seal, meshnet_tp_open_fn open,
+                                                  int32_t timeout_ms, int32_t spin_us);
 MESHNET_API void              meshnet_tp_link_free(meshnet_tp_link * link);
+/* What the link's gathers have cost so far: how many, their time, the part of it spent with
+ * nothing to send or read (waiting for a peer: its compute or the wire), bytes sent. */
+typedef struct meshnet_tp_link_stats {
+    int64_t gathers;
+    int64_t gather_ns;
+    int64_t idle_ns;
+    int64_t bytes_sent;
+} meshnet_tp_link_stats;
+MESHNET_API void              meshnet_tp_link_get_stats(const meshnet_tp_link * link, meshnet_tp_link_stats * out);
 MESHNET_API const char *      meshnet_tp_link_error(const meshnet_tp_link * link);
 MESHNET_API int32_t           meshnet_tp_link_gather(void * link, int32_t layer, int32_t point, const float * local,
                                                      int64_t n_local, int64_t offset, float * whole, int64_t n_whole,

@@ -32,7 +32,7 @@ DEFAULT_LIBRARY = REPO_ROOT / "build" / "libmeshnet_engine.so"
 # MESHNET_GPU_ENGINE=cuda or vulkan names one
 GPU_LIBRARIES = {"cuda": REPO_ROOT / "build" / "cuda" / "libmeshnet_engine.so",
                  "vulkan": REPO_ROOT / "build" / "vulkan" / "libmeshnet_engine.so"}
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # meshnet_status -> the code every layer of meshnet uses (core/errors.py gives each its status)
 STATUS_CODES = errors.BY_ENGINE_STATUS

@@ -1,51 +1,50 @@
-"""The engine's exchange for a tensor-parallel member (meshnet_tp_link) over ZeroMQ sockets
-that the caller made and secured: at each gather the engine sends and receives the rows on
-its compute thread, without Python. It calls the zmq_send and zmq_recv of the libzmq that
-pyzmq loaded, on the sockets' own handles (pyzmq's Socket.underlying): the sockets stay
-pyzmq's, closed by their owner after the stage that uses them."""
+"""The engine's exchange for a tensor-parallel member (meshnet_tp_link) over stream sockets
+the caller connected and keyed (net/member_link.py): at each gather the engine sends and
+receives the rows on its compute thread, without Python, sealing them with the cipher whose
+functions it is given. The sockets stay the caller's, closed by their owner after the stage
+that uses them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-
-import zmq
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import _ffi, library
 
-_ffi.cdef("int zmq_send(void *, const void *, size_t, int); int zmq_recv(void *, void *, size_t, int);")
-_zmq = None
-
-
-def _libzmq():
-    """The libzmq this process's pyzmq runs on (its mapped file), for its two functions."""
-    global _zmq
-    if _zmq is None:
-        mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                  if "libzmq" in line.split()[-1]}
-        if len(mapped) != 1:
-            raise MeshnetError(errors.INTERNAL, f"pyzmq's libzmq is not one mapped file here ({sorted(mapped)}): the "
-                               "engine cannot share its sockets")
-        _zmq = _ffi.dlopen(mapped.pop())
-    return _zmq
-
 
 class EngineLink:
-    """A meshnet_tp_link (cdata, freed with its last reference) and the sockets it sends
-    on, which it keeps open for as long as it lives: a Stage's tp_link."""
+    """A meshnet_tp_link (cdata, freed with its last reference) and the sockets it reads,
+    which it keeps open for as long as it lives: a Stage's tp_link."""
 
-    def __init__(self, cdata, sockets: Sequence[zmq.Socket | None]):
+    def __init__(self, cdata, sockets: Sequence):
         self.cdata, self.sockets = cdata, list(sockets)
 
+    def stats(self) -> dict[str, int]:
+        """The gathers so far: how many, their time and idle time (ns), bytes sent."""
+        out = _ffi.new("meshnet_tp_link_stats *")
+        library().meshnet_tp_link_get_stats(self.cdata, out)
+        return {name: int(getattr(out, name)) for name in ("gathers", "gather_ns", "idle_ns", "bytes_sent")}
 
-def engine_link(rank: int, size: int, sockets: Sequence[zmq.Socket | None]) -> EngineLink:
-    """Member RANK's meshnet_tp_link over SOCKETS, one to each other member (None for itself)."""
-    zlib, lib = _libzmq(), library()
-    peers = _ffi.new("void *[]", [_ffi.NULL if s is None else _ffi.cast("void *", s.underlying) for s in sockets])
-    link = lib.meshnet_tp_link_new(rank, size, peers, _ffi.addressof(zlib, "zmq_send"), _ffi.addressof(zlib, "zmq_recv"))
+
+def engine_link(rank: int, size: int, sockets: Sequence, keys: Sequence[bytes | None] | None = None,
+                cipher: tuple[int, int] | None = None, timeout_ms: int = 30_000, spin_us: int = 0) -> EngineLink:
+    """Member RANK's meshnet_tp_link over SOCKETS (objects with fileno()), one to each other
+    member (None for itself). With CIPHER (the addresses of an AEAD's seal and open, as
+    libsodium's chacha20poly1305_ietf) every row is sealed with KEYS[r], the key shared with
+    member r."""
+    lib = library()
+    fds = _ffi.new("int32_t[]", [-1 if s is None else s.fileno() for s in sockets])
+    sealed = cipher is not None
+    if sealed and (keys is None or len(keys) != size or
+                   any(len(k or b"") != 32 for r, k in enumerate(keys) if r != rank)):
+        raise MeshnetError(errors.BAD_KEY, f"member {rank} needs a 32-byte key for each other member to seal its rows")
+    key_bytes = _ffi.new("uint8_t[]", b"".join((k or bytes(32)) if r != rank else bytes(32)
+                                               for r, k in enumerate(keys)) if sealed else b"\0")
+    seal = _ffi.cast("meshnet_tp_seal_fn", cipher[0]) if sealed else _ffi.NULL
+    opener = _ffi.cast("meshnet_tp_open_fn", cipher[1]) if sealed else _ffi.NULL
+    link = lib.meshnet_tp_link_new(rank, size, fds, key_bytes, seal, opener, timeout_ms, spin_us)
     if link == _ffi.NULL:
         raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of {size} needs a socket to each other member "
-                           "and none to itself")
+                           "and none to itself, and a positive timeout")
     return EngineLink(_ffi.gc(link, lib.meshnet_tp_link_free), sockets)

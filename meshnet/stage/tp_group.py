@@ -1,84 +1,104 @@
-"""A tensor-parallel member's links to its group: one ZeroMQ PAIR socket per other member,
-secured like every meshnet link, on which the engine exchanges the rows (engine/tp_link.py)."""
+"""A tensor-parallel member's links to its group: a keyed TCP stream to each other member
+(net/member_link.py), on which the engine exchanges the rows (engine/tp_link.py)."""
 
 from __future__ import annotations
 
-import zmq
+import socket
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.tp_link import engine_link
-from meshnet.net import security
+from meshnet.net import member_link
+from meshnet.net.security import KeyPair
 
-GATHER_TIMEOUT_MS = 30_000   # a member silent this long at a gather is lost to its group
-# the largest gather a peer may send: a batch of 512 rows of a 262,144-token vocabulary's
-# logits (the engine checks each message against the gather it is in; this bounds the
-# memory a peer can make ZeroMQ hold before that)
-MAX_GATHER_BYTES = 512 * 262_144 * 4 + 64
-QUEUED_MESSAGES = 16         # a gather is two parts; a peer cannot queue more than a few
+GATHER_TIMEOUT_MS = 30_000   # a gather not done in this long loses the member its group
+LINK_TIMEOUT_S = 60.0        # members start apart: the time a binder waits for its peer
+# how long a member spins on its sockets at a gather before it sleeps (yielding its CPU to
+# anything else that wants it): a peer's rows are usually microseconds away, and a sleep and
+# wake-up costs more than a gather; a peer still computing its half, a few milliseconds
+# (tools/tp_bench.py: 2 ms of spin gave 45.7 ms a token, 20 ms 37.4-39.8, Qwen 1.5B)
+SPIN_US = 20_000
 
 
 class GroupLink:
-    """Member RANK of SIZE: a PAIR socket to each other member. The lower rank of each pair
-    binds (bind_for) and the higher connects (connect_to); with KEYS the binder is a CURVE
-    server and the connector its client, as on every meshnet link."""
+    """Member RANK of SIZE: a stream to each other member. The lower rank of each pair
+    listens (bind_for) and the higher connects (connect_to); with KEYS (this member's CURVE
+    pair) each stream is keyed from both members' CURVE keys, so each must be told the
+    other's public key."""
 
-    def __init__(self, ctx: zmq.Context, rank: int, size: int, keys: security.KeyPair | None = None,
-                 timeout_ms: int = GATHER_TIMEOUT_MS):
+    def __init__(self, rank: int, size: int, keys: KeyPair | None = None, timeout_ms: int = GATHER_TIMEOUT_MS,
+                 spin_us: int = SPIN_US, link_timeout_s: float = LINK_TIMEOUT_S):
         if size < 2 or not 0 <= rank < size:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of a group of {size}")
-        self.ctx, self.rank, self.size, self.keys, self.timeout_ms = ctx, rank, size, keys, timeout_ms
-        self.sockets: list[zmq.Socket | None] = [None] * size
+        self.rank, self.size, self.keys = rank, size, keys
+        self.timeout_ms, self.spin_us, self.link_timeout_s = timeout_ms, spin_us, link_timeout_s
+        self.sockets: list[socket.socket | None] = [None] * size
+        self.link_keys: list[bytes | None] = [None] * size
+        self._listening: dict[int, tuple[socket.socket, member_link.Keys | None]] = {}
         self._engine_link = None
 
-    def _socket(self, peer: int) -> zmq.Socket:
-        if peer == self.rank or not 0 <= peer < self.size or self.sockets[peer] is not None:
+    def _peer_keys(self, peer: int, peer_public: bytes | None) -> member_link.Keys | None:
+        if peer == self.rank or not 0 <= peer < self.size or self.sockets[peer] is not None or peer in self._listening:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {self.rank} has no second link to member {peer}")
-        sock = self.ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_GATHER_BYTES)
-        sock.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
-        sock.setsockopt(zmq.SNDHWM, QUEUED_MESSAGES)
-        self.sockets[peer] = sock
-        return sock
+        if self.keys is None:
+            return None
+        if peer_public is None:
+            raise MeshnetError(errors.BAD_KEY, f"member {peer}'s public key is needed to key the link to it")
+        return member_link.Keys(self.keys.public, self.keys.secret, peer_public)
 
-    def bind_for(self, peer: int, address: str = "tcp://127.0.0.1:0") -> str:
-        """A socket that member PEER (a higher rank) connects to: its endpoint."""
+    def bind_for(self, peer: int, address: str = "tcp://127.0.0.1:0", peer_public: bytes | None = None) -> str:
+        """Listen for member PEER (a higher rank): the endpoint it is to connect to. The
+        connection is taken, and checked, in engine_link."""
         if peer < self.rank:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {self.rank} connects to member {peer}; it does not bind")
-        sock = self._socket(peer)
-        if self.keys is not None:
-            security.serve(sock, self.keys)
-        sock.bind(address)
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        keys = self._peer_keys(peer, peer_public)
+        listener, endpoint = member_link.listen(address)
+        self._listening[peer] = (listener, keys)
+        return endpoint
 
-    def connect_to(self, peer: int, endpoint: str, server_public: bytes | None = None) -> None:
-        """Connect to the socket member PEER (a lower rank) bound for this member."""
+    def connect_to(self, peer: int, endpoint: str, peer_public: bytes | None = None) -> None:
+        """Connect to the listener member PEER (a lower rank) made for this member, and key
+        the link (it waits for PEER to take the connection)."""
         if peer > self.rank:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {self.rank} binds for member {peer}; it does not connect")
-        sock = self._socket(peer)
-        if self.keys is not None:
-            if server_public is None:
-                raise MeshnetError(errors.BAD_KEY, f"member {peer}'s public key is needed to connect to it over CURVE")
-            security.client(sock, self.keys, server_public)
-        sock.connect(endpoint)
+        keys = self._peer_keys(peer, peer_public)
+        self.sockets[peer], self.link_keys[peer] = member_link.connect(endpoint, self.rank, peer, keys,
+                                                                       self.link_timeout_s)
+
+    def accept_all(self) -> None:
+        """Take each listened-for member's connection, checked (its key, its rank)."""
+        for peer, (listener, keys) in sorted(self._listening.items()):
+            try:
+                self.sockets[peer], self.link_keys[peer] = member_link.accept(listener, self.rank, peer, keys,
+                                                                              self.link_timeout_s)
+            finally:
+                listener.close()
+                del self._listening[peer]
 
     def engine_link(self):
-        """The engine's meshnet_tp_link over these sockets (Stage's tp_link), once every
+        """The engine's meshnet_tp_link over these streams (Stage's tp_link), once every
         other member is linked."""
         if self._engine_link is None:
+            self.accept_all()
             missing = [peer for peer, sock in enumerate(self.sockets) if sock is None and peer != self.rank]
             if missing:
                 raise MeshnetError(errors.INVALID_ARGUMENT, f"member {self.rank} has no link to members {missing}")
-            self._engine_link = engine_link(self.rank, self.size, self.sockets)
+            cipher = member_link.cipher_addresses() if self.keys is not None else None
+            self._engine_link = engine_link(self.rank, self.size, self.sockets, self.link_keys, cipher,
+                                            self.timeout_ms, self.spin_us)
         return self._engine_link
+
+    @property
+    def sealed(self) -> bool:
+        return self.keys is not None
 
     def close(self) -> None:
         """The sockets closed; the engine's link must not be used after (its stage closed first)."""
         self._engine_link = None
+        for listener, _ in self._listening.values():
+            listener.close()
+        self._listening.clear()
         for sock in self.sockets:
             if sock is not None:
-                sock.close(linger=0)
+                sock.close()
         self.sockets = [None] * self.size

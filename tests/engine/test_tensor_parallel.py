@@ -2,6 +2,7 @@
 share of every layer's heads and rows, gives the whole model's logits bit for bit."""
 
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +12,7 @@ import zmq
 from meshnet.core.errors import MeshnetError
 from meshnet.engine.binding import Entry, Stage
 from meshnet.engine.tensor_parallel import LocalGroup
+from meshnet.net.security import KeyPair
 
 from conftest import TEST_MODELS
 
@@ -159,75 +161,125 @@ def test_a_group_whose_member_is_lost_fails_every_member_at_once_and_the_next_pa
         assert_same(expected, passes(group, {2: [4, 5, 6]}, steps=2))
 
 
-def linked_pair(ctx, curve: bool = True, timeout_ms: int = 30_000):
-    """Two members' links over loopback TCP, member 0 binding for member 1."""
+def linked_pair(sealed: bool = True, timeout_ms: int = 30_000):
+    """Two members' links over loopback TCP, member 0 listening for member 1."""
     from meshnet.stage.tp_group import GroupLink
-    from meshnet.net.security import KeyPair
-    keys = [KeyPair(*zmq.curve_keypair()) if curve else None for _ in range(2)]
-    links = [GroupLink(ctx, rank, 2, keys[rank], timeout_ms) for rank in range(2)]
-    endpoint = links[0].bind_for(1)
-    links[1].connect_to(0, endpoint, keys[0].public if curve else None)
+    keys = [KeyPair(*zmq.curve_keypair()) if sealed else None for _ in range(2)]
+    links = [GroupLink(rank, 2, keys[rank], timeout_ms) for rank in range(2)]
+    endpoint = links[0].bind_for(1, peer_public=keys[1].public if sealed else None)
+    with ThreadPoolExecutor(1) as pool:
+        connecting = pool.submit(links[1].connect_to, 0, endpoint, keys[0].public if sealed else None)
+        links[0].accept_all()
+        connecting.result(timeout=60)
     return links
 
 
-def test_members_linked_over_zeromq_sockets_exchange_in_the_engine_and_give_the_whole_models_logits():
+def test_members_linked_over_keyed_streams_exchange_in_the_engine_and_give_the_whole_models_logits():
     path = generated("qwen2")
     prompts = {1: [1, 5, 9, 13, 17], 2: [2, 4, 8]}
     with Stage(path, **OPTIONS) as whole:
         expected = passes(whole, prompts, steps=3)
-    ctx = zmq.Context()
-    links = linked_pair(ctx)
+    links = linked_pair()
+    assert links[0].link_keys[1] == links[1].link_keys[0] and len(links[0].link_keys[1]) == 32
     members = [Stage(path, tp=(rank, 2), tp_link=links[rank].engine_link(), **OPTIONS) for rank in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda m: passes(m, prompts, steps=3), members))
         for logits in got:
             assert_same(expected, logits)
-        assert all(link.sockets[1 - link.rank].getsockopt(zmq.MECHANISM) == zmq.CURVE for link in links)
     finally:
         for m in members:
             m.close()
         for link in links:
             link.close()
-        ctx.term()
 
 
-@pytest.mark.parametrize("answer, why", [
-    ("another gather", "with another gather's rows"),
-    ("short rows", "bytes, not"),
-    ("overlap", "overlap another member's"),
-    ("silence", "sent nothing"),
-])
-def test_a_member_refuses_a_peers_wrong_or_missing_rows_with_a_clear_error(answer, why):
-    """Member 1's socket held by the test, answering as a broken or hostile peer would."""
+def test_a_listening_member_refuses_a_peer_without_the_expected_key_and_waits_for_the_right_one():
+    from meshnet.net import member_link
+    from meshnet.stage.tp_group import GroupLink
+    keys = [KeyPair(*zmq.curve_keypair()) for _ in range(3)]
+    binder, member, impostor = (GroupLink(0, 2, keys[0]), GroupLink(1, 2, keys[1]), GroupLink(1, 2, keys[2]))
+    endpoint = binder.bind_for(1, peer_public=keys[1].public)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            accepting = pool.submit(binder.accept_all)
+            # it knows the binder's key, not member 1's secret
+            with pytest.raises(MeshnetError) as e:
+                impostor.connect_to(0, endpoint, keys[0].public)
+            assert e.value.code == "bad_key" and "refused the link" in e.value.message
+            # a peer that is not a member at all, speaking nonsense, is closed too
+            host, port = member_link.split_endpoint(endpoint)
+            with socket.create_connection((host, port)) as stranger:
+                stranger.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
+                try:
+                    assert stranger.recv(64) == b""
+                except ConnectionResetError:
+                    pass   # (closed with its bytes unread)
+            member.connect_to(0, endpoint, keys[0].public)
+            accepting.result(timeout=60)
+        assert binder.link_keys[1] == member.link_keys[0]
+    finally:
+        for link in (binder, member, impostor):
+            link.close()
+
+
+def answer_as_peer(peer: socket.socket, answer: str, key: bytes | None) -> None:
+    """Member 1's side of member 0's first gather, as a broken or hostile peer would give it."""
     import struct
+    from meshnet.net import member_link
+    header = peer.recv(32, socket.MSG_WAITALL)
+    layer, point, n_rows, n_local, offset = struct.unpack("<iiqqq", header)
+    size = 4 * n_rows * n_local + (member_link.TAG_BYTES if key else 0)
+    sealed = peer.recv(size, socket.MSG_WAITALL)
+    theirs = struct.pack("<iiqqq", layer, point, n_rows, n_local, n_local)
+    rows = bytes(4 * n_rows * n_local)
+    if answer == "another gather":
+        peer.sendall(struct.pack("<iiqqq", layer + 1, point, n_rows, n_local, n_local) + rows)
+    elif answer == "overlap":   # member 0's own columns
+        peer.sendall(struct.pack("<iiqqq", layer, point, n_rows, n_local, offset) + rows)
+    elif answer == "cut off":
+        peer.sendall(theirs + rows[:-4])
+        peer.shutdown(socket.SHUT_WR)
+    elif answer == "unsealed":   # the right gather, rows not sealed with the group's key
+        peer.sendall(theirs + rows + bytes(member_link.TAG_BYTES))
+    elif answer == "replayed":   # member 0's own sealed rows sent back
+        peer.sendall(theirs + sealed)
+    elif answer == "sealed right, then a nonce again":
+        peer.sendall(theirs + member_link.seal(key, 1, 0, rows, theirs))
+        layer, point, n_rows, n_local, offset = struct.unpack("<iiqqq", peer.recv(32, socket.MSG_WAITALL))
+        peer.recv(4 * n_rows * n_local + member_link.TAG_BYTES, socket.MSG_WAITALL)
+        theirs = struct.pack("<iiqqq", layer, point, n_rows, n_local, n_local)
+        peer.sendall(theirs + member_link.seal(key, 1, 0, bytes(4 * n_rows * n_local), theirs))
+
+
+@pytest.mark.parametrize("answer, sealed, why", [
+    ("another gather", False, "with another gather's rows"),
+    ("overlap", False, "overlap another member's"),
+    ("cut off", False, "closed its link"),
+    ("silence", False, "sent nothing"),
+    ("unsealed", True, "do not open with the group's key"),
+    ("replayed", True, "do not open with the group's key"),
+    ("sealed right, then a nonce again", True, "do not open with the group's key"),
+])
+def test_a_member_refuses_a_peers_wrong_or_missing_rows_with_a_clear_error(answer, sealed, why):
+    """Member 1's stream held by the test."""
     path = generated("llama")
-    ctx = zmq.Context()
-    links = linked_pair(ctx, curve=False, timeout_ms=2_000)
+    links = linked_pair(sealed=sealed, timeout_ms=2_000)
     peer = links[1].sockets[0]
     try:
         with Stage(path, tp=(0, 2), tp_link=links[0].engine_link(), **OPTIONS) as member:
             member.open_session(1)
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(member.forward, [Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
-                header = peer.recv()
-                rows = peer.recv()
-                layer, point, n_rows, n_local, offset = struct.unpack("iiqqq", header)
-                if answer == "another gather":
-                    peer.send_multipart([struct.pack("iiqqq", layer + 1, point, n_rows, n_local, n_local), rows])
-                elif answer == "short rows":
-                    peer.send_multipart([struct.pack("iiqqq", layer, point, n_rows, n_local, n_local), rows[:-4]])
-                elif answer == "overlap":   # member 0's own columns
-                    peer.send_multipart([struct.pack("iiqqq", layer, point, n_rows, n_local, offset), rows])
+                answer_as_peer(peer, answer, links[1].link_keys[0])
                 with pytest.raises(MeshnetError) as e:
                     pending.result(timeout=120)
             assert e.value.code == "tp_exchange"
             assert why in e.value.message
-            # the sockets may be out of step now: every later pass fails at once, saying why
+            # the streams may be out of step now: every later pass fails at once, saying why
             with pytest.raises(MeshnetError) as again:
                 member.forward([Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))])
             assert again.value.code == "tp_exchange" and why in again.value.message
     finally:
         for link in links:
             link.close()
-        ctx.term()

@@ -1,0 +1,272 @@
+"""The stream between two members of a tensor-parallel group: a TCP connection, keyed by a
+handshake over the members' CURVE keys, on which the engine exchanges rows at every gather
+(engine_c/tp_link.cpp seals and opens them itself).
+
+Why not a ZeroMQ socket like every other link: a group exchanges four times a layer (113
+times a token for a 28-layer model), and each ZeroMQ message passes through two I/O
+threads, 100-200 us a gather here against the ~15 us of a socket the compute thread reads
+itself; that difference is the whole of what a group gains. The keys are still the CURVE
+keys, and the cipher is libsodium's (the library CURVE itself runs on, loaded by pyzmq).
+
+The handshake (each side's fixed-size messages, read under a deadline):
+  connector -> binder: MAGIC, its rank, a fresh ephemeral X25519 public key
+  binder -> connector: MAGIC, its rank, its ephemeral public key
+  both: key = BLAKE2b(LABEL, DH(own static, peer static), DH(own ephemeral, peer ephemeral),
+        both static publics, both ephemerals, both ranks), then each sends a tag sealed
+        with it, which the other opens.
+Only the holders of the two expected secret keys derive the key (the static DH), and a new
+one each link (the ephemeral DH: a recorded stream stays sealed if a key leaks later). A
+peer that fails the handshake is closed; a binder keeps listening for the right one until
+its deadline. Without keys (loopback, --insecure) the ranks are exchanged and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import cffi
+import zmq
+from zmq.utils import z85
+
+from meshnet.core import errors
+from meshnet.core.errors import MeshnetError
+
+log = logging.getLogger("meshnet.net.member_link")
+
+MAGIC = b"mntplk01"
+LABEL = b"meshnet tensor-parallel link v1"
+KEY_BYTES = 32
+TAG_BYTES = 16
+CONFIRM_COUNT = 2**64 - 1   # the confirmation's nonce count: never a data message's
+HELLO = struct.Struct("<8si32s")
+HANDSHAKE_SECONDS = 5.0     # one connection's handshake; a binder's whole wait is longer
+
+_ffi = cffi.FFI()
+_ffi.cdef("""
+int sodium_init(void);
+void randombytes_buf(void * buf, size_t size);
+int crypto_box_keypair(unsigned char * pk, unsigned char * sk);
+int crypto_scalarmult(unsigned char * q, const unsigned char * n, const unsigned char * p);
+int crypto_generichash(unsigned char * out, size_t outlen, const unsigned char * in, unsigned long long inlen,
+                       const unsigned char * key, size_t keylen);
+int crypto_aead_chacha20poly1305_ietf_encrypt(unsigned char * c, unsigned long long * clen, const unsigned char * m,
+    unsigned long long mlen, const unsigned char * ad, unsigned long long adlen, const unsigned char * nsec,
+    const unsigned char * npub, const unsigned char * k);
+int crypto_aead_chacha20poly1305_ietf_decrypt(unsigned char * m, unsigned long long * mlen, unsigned char * nsec,
+    const unsigned char * c, unsigned long long clen, const unsigned char * ad, unsigned long long adlen,
+    const unsigned char * npub, const unsigned char * k);
+""")
+_sodium = None
+
+
+def sodium():
+    """libsodium as this process has it: the copy pyzmq's libzmq loaded (its mapped file),
+    else the system's."""
+    global _sodium
+    if _sodium is None:
+        zmq.Context.instance()   # (pyzmq's libzmq, and the libsodium it links, are loaded by now)
+        mapped = sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                         if "libsodium" in line.split()[-1]})
+        candidates = mapped + ["libsodium.so.23", "libsodium.so"]
+        for name in candidates:
+            try:
+                _sodium = _ffi.dlopen(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise MeshnetError(errors.INTERNAL, "no libsodium in this process or on this machine (pyzmq's wheels "
+                               "bring one): a tensor-parallel group cannot seal its rows")
+        if _sodium.sodium_init() < 0:
+            raise MeshnetError(errors.INTERNAL, "libsodium failed to initialise")
+    return _sodium
+
+
+def cipher_addresses() -> tuple[int, int]:
+    """The addresses of the AEAD's seal and open, for the engine's link."""
+    lib = sodium()
+    return tuple(int(_ffi.cast("uintptr_t", _ffi.addressof(lib, name))) for name in
+                 ("crypto_aead_chacha20poly1305_ietf_encrypt", "crypto_aead_chacha20poly1305_ietf_decrypt"))
+
+
+@dataclass(frozen=True)
+class Keys:
+    """This member's CURVE key pair and the peer's public key (z85, as in meshnet's key files)."""
+    public: bytes
+    secret: bytes
+    peer_public: bytes
+
+
+def _raw(z85_key: bytes, what: str) -> bytes:
+    try:
+        raw = z85.decode(z85_key)
+    except (ValueError, TypeError, KeyError):
+        raw = b""
+    if len(raw) != KEY_BYTES:
+        raise MeshnetError(errors.BAD_KEY, f"{what} is not a CURVE key (40 z85 characters)")
+    return raw
+
+
+def _nonce(rank: int, count: int) -> bytes:
+    return struct.pack("<iQ", rank, count)
+
+
+def seal(key: bytes, rank: int, count: int, plain: bytes, ad: bytes) -> bytes:
+    lib = sodium()
+    out = _ffi.new("unsigned char[]", len(plain) + TAG_BYTES)
+    n = _ffi.new("unsigned long long *")
+    lib.crypto_aead_chacha20poly1305_ietf_encrypt(out, n, plain, len(plain), ad, len(ad), _ffi.NULL,
+                                                  _nonce(rank, count), key)
+    return bytes(_ffi.buffer(out, n[0]))
+
+
+def opens(key: bytes, rank: int, count: int, sealed: bytes, ad: bytes) -> bool:
+    lib = sodium()
+    if len(sealed) < TAG_BYTES:
+        return False
+    out = _ffi.new("unsigned char[]", max(1, len(sealed) - TAG_BYTES))
+    n = _ffi.new("unsigned long long *")
+    return lib.crypto_aead_chacha20poly1305_ietf_decrypt(out, n, _ffi.NULL, sealed, len(sealed), ad, len(ad),
+                                                         _nonce(rank, count), key) == 0
+
+
+def _ephemeral() -> tuple[bytes, bytes]:
+    lib = sodium()
+    pk, sk = _ffi.new("unsigned char[32]"), _ffi.new("unsigned char[32]")
+    lib.crypto_box_keypair(pk, sk)
+    return bytes(pk), bytes(sk)
+
+
+def _dh(secret: bytes, public: bytes) -> bytes:
+    out = _ffi.new("unsigned char[32]")
+    if sodium().crypto_scalarmult(out, secret, public) != 0:
+        raise MeshnetError(errors.BAD_KEY, "a peer's key is not a usable X25519 point")
+    return bytes(out)
+
+
+def _derive(keys: Keys, own_eph: bytes, peer_eph: tuple[bytes, bytes], binder: bool,
+            own_rank: int, peer_rank: int) -> bytes:
+    eph_secret, eph_public = own_eph
+    static = _dh(_raw(keys.secret, "this member's secret key"), _raw(keys.peer_public, "the peer's public key"))
+    fresh = _dh(eph_secret, peer_eph[0])
+    own_static, peer_static = _raw(keys.public, "this member's public key"), _raw(keys.peer_public, "the peer's key")
+    ordered = ((own_static, peer_static, eph_public, peer_eph[0], own_rank, peer_rank) if binder
+               else (peer_static, own_static, peer_eph[0], eph_public, peer_rank, own_rank))
+    material = LABEL + static + fresh + b"".join(ordered[:4]) + struct.pack("<ii", *ordered[4:])
+    out = _ffi.new("unsigned char[32]")
+    sodium().crypto_generichash(out, KEY_BYTES, material, len(material), _ffi.NULL, 0)
+    return bytes(out)
+
+
+def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
+    got = b""
+    while len(got) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            raise ConnectionError("closed")
+        got += chunk
+    return got
+
+
+def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, keys: Keys | None,
+               deadline: float) -> bytes | None:
+    """The key this link's rows are sealed with (None without keys); raises ValueError for a
+    peer that is not the member expected, OSError/TimeoutError for a lost one."""
+    eph_secret, eph_public = (None, bytes(32)) if keys is None else _ephemeral()[::-1]
+    own = HELLO.pack(MAGIC, rank, eph_public)
+    if not binder:
+        sock.sendall(own)
+    magic, their_rank, their_eph = HELLO.unpack(_read(sock, HELLO.size, deadline))
+    if magic != MAGIC or their_rank != peer_rank:
+        raise ValueError(f"a peer that is not member {peer_rank} of this group (it says {their_rank!r})")
+    if binder:
+        sock.sendall(own)
+    if keys is None:
+        return None
+    key = _derive(keys, (eph_secret, eph_public), (their_eph,), binder, rank, peer_rank)
+    sock.sendall(seal(key, rank, CONFIRM_COUNT, b"", MAGIC))
+    if not opens(key, peer_rank, CONFIRM_COUNT, _read(sock, TAG_BYTES, deadline), MAGIC):
+        raise ValueError(f"a peer without member {peer_rank}'s key")
+    return key
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    return sock
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """("host", port) from "tcp://host:port" (meshnet's endpoint spelling)."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit():
+        raise MeshnetError(errors.BAD_ADDRESS, f"{endpoint!r} is not a tcp://HOST:PORT endpoint")
+    return host.strip("[]"), int(port)
+
+
+def listen(address: str) -> tuple[socket.socket, str]:
+    """A listening socket at ADDRESS (tcp://HOST:PORT, port 0 for any) and its endpoint."""
+    host, port = split_endpoint(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        code = errors.ADDRESS_IN_USE if e.errno == 98 else errors.BAD_ADDRESS
+        raise MeshnetError(code, f"cannot listen on {address} for a group member: {e.strerror}") from None
+    listener.listen(4)
+    bound_host, bound_port = listener.getsockname()[:2]
+    return listener, f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+
+
+def accept(listener: socket.socket, rank: int, peer_rank: int, keys: Keys | None,
+           timeout_s: float) -> tuple[socket.socket, bytes | None]:
+    """The connection of member PEER_RANK, handshaken: others that come first are closed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise MeshnetError(errors.TIMEOUT, f"member {peer_rank} did not link to member {rank} in {timeout_s:g} s")
+        listener.settimeout(left)
+        try:
+            sock, origin = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            key = _handshake(sock, True, rank, peer_rank, keys, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
+            return _tune(sock), key
+        except (ValueError, OSError, struct.error) as e:
+            log.warning("member %d refused a link from %s: %s", rank, origin, e or type(e).__name__)
+            sock.close()
+
+
+def connect(endpoint: str, rank: int, peer_rank: int, keys: Keys | None,
+            timeout_s: float) -> tuple[socket.socket, bytes | None]:
+    """A connection to member PEER_RANK's listener, handshaken."""
+    host, port = split_endpoint(endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+        raise MeshnetError(errors.UNREACHABLE, f"member {rank} cannot reach member {peer_rank} at {endpoint}: "
+                           f"{e.strerror or e}") from None
+    try:
+        return _tune(sock), _handshake(sock, False, rank, peer_rank, keys, deadline)
+    except ValueError as e:
+        sock.close()
+        raise MeshnetError(errors.BAD_KEY, f"member {rank} refused the link at {endpoint}: {e}") from None
+    except (OSError, struct.error) as e:
+        sock.close()
+        raise MeshnetError(errors.UNREACHABLE, f"member {peer_rank} at {endpoint} broke off the link's handshake "
+                           f"({e or type(e).__name__})") from None
