@@ -70,7 +70,8 @@ def member(args) -> None:
         stage = Stage(args.model, tp=(args.rank, args.size), tp_link=link.engine_link(), **options)
     else:
         stage = Stage(args.model, **options)
-    driver.send_json({"ready": True, "model_bytes": stage.info().model_bytes})
+    figures = [link.figures.__dict__] if link else []
+    driver.send_json({"ready": True, "model_bytes": stage.info().model_bytes, "links": figures})
     stage.open_session(1)
     pos = 0
     while True:
@@ -134,7 +135,9 @@ def run(model: str, size: int, args, floor: bool = False) -> tuple[float, list[i
             offers = [sock.recv_json() for sock in drivers]
             for rank, sock in enumerate(drivers):
                 sock.send_json({"connect": {str(low): offers[low]["endpoints"][str(rank)] for low in range(rank)}})
-        sizes = [sock.recv_json()["model_bytes"] for sock in drivers]
+        ready = [sock.recv_json() for sock in drivers]
+        sizes = [r["model_bytes"] for r in ready]
+        links = [f for r in ready for f in r["links"]]
 
         def step(tokens):
             for sock in drivers:
@@ -159,7 +162,7 @@ def run(model: str, size: int, args, floor: bool = False) -> tuple[float, list[i
             sock.send_json({"stop": True})
         for proc in procs:
             proc.wait(timeout=120)
-        return ms, got, sizes, exchange
+        return ms, got, sizes, (exchange, links)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -193,20 +196,38 @@ def main() -> int:
     if args.member:
         member(args)
         return 0
+    from meshnet.core import tp_cost
     from meshnet.engine import models
+    from meshnet.engine.gguf_layout import read_layout
     path = str(models.resolve(args.model or "qwen2.5-coder-1.5b")[0])
+    layout = read_layout(path)
+    shape = tp_cost.group_shape(args.members, layout.n_layer, layout.n_embd, layout.attn_width, layout.n_ff,
+                                layout.n_vocab, sum(layout.layer_weights), layout.output_weights)
     rows = []
     for round_ in range(args.rounds):
         whole_ms, whole_tokens, whole_bytes, _ = run(path, 1, args)
-        group_ms, group_tokens, group_bytes, exchange = run(path, args.members, args)
+        group_ms, group_tokens, group_bytes, (exchange, links) = run(path, args.members, args)
         floor_ms = run(path, args.members, args, floor=True)[0]
+        link = tp_cost.LinkCost(max(f["gather_us"] for f in links), min(f["bandwidth"] for f in links))
+        # the members' compute in the group: its time less the exchange of the member that waited
+        # least for the other (the slower one); the model predicts the exchange on top of it
+        compute_ms = group_ms - min(x["exchange_ms"] for x in exchange)
+        predicted = tp_cost.group_ms(compute_ms, shape, link)
+        apart = tp_cost.group_ms(tp_cost.member_ms_from_whole(whole_ms, shape), shape, link)
         rows.append({"whole_ms": whole_ms, "group_ms": group_ms, "ratio": whole_ms / group_ms, "floor_ms": floor_ms,
                      "floor_ratio": whole_ms / floor_ms,
                      "same_tokens": whole_tokens == group_tokens, "whole_bytes": whole_bytes[0],
-                     "member_bytes": group_bytes, "exchange": exchange})
+                     "member_bytes": group_bytes, "exchange": exchange, "link": link.__dict__,
+                     "compute_ms": compute_ms, "predicted_ms": predicted, "predicted_error": predicted / group_ms - 1,
+                     "predicted_apart_ms": apart})
         print(f"round {round_ + 1}: whole {whole_ms:.1f} ms/token, group of {args.members} {group_ms:.1f} ms/token, "
               f"{whole_ms / group_ms:.2f}x, same tokens: {whole_tokens == group_tokens}; the members without their "
               f"exchange {floor_ms:.1f} ms/token ({whole_ms / floor_ms:.2f}x)", flush=True)
+        print(f"  the link: a gather {link.gather_us:.0f} us, {link.bandwidth / 1e6:.0f} MB/s; the cost model "
+              f"({shape.gathers} gathers, {shape.sent_bytes / 1e3:.0f} kB a member a token) predicts "
+              f"{predicted:.1f} ms/token from the members' compute of {compute_ms:.1f} ({predicted / group_ms - 1:+.0%} of the "
+              f"measured), "
+              f"and {apart:.1f} ms/token ({whole_ms / apart:.2f}x) for members on hosts of their own", flush=True)
         for rank, x in enumerate(exchange):
             print(f"  member {rank}: {x['gathers']:.0f} gathers a token, {x['exchange_ms']:.1f} ms in them "
                   f"({x['us_per_gather']:.0f} us each), {x['idle_ms']:.1f} ms of it waiting, "
@@ -216,9 +237,11 @@ def main() -> int:
                "median_whole_ms": statistics.median(r["whole_ms"] for r in rows),
                "median_group_ms": statistics.median(r["group_ms"] for r in rows),
                "median_ratio": statistics.median(r["ratio"] for r in rows),
-               "median_floor_ratio": statistics.median(r["floor_ratio"] for r in rows)}
+               "median_floor_ratio": statistics.median(r["floor_ratio"] for r in rows),
+               "median_predicted_error": statistics.median(r["predicted_error"] for r in rows)}
     print(f"median: whole {summary['median_whole_ms']:.1f} ms/token, group {summary['median_group_ms']:.1f} ms/token, "
-          f"ratio {summary['median_ratio']:.2f}x (without the exchange {summary['median_floor_ratio']:.2f}x); member weights {rows[0]['member_bytes']} B against "
+          f"ratio {summary['median_ratio']:.2f}x (without the exchange {summary['median_floor_ratio']:.2f}x), "
+          f"the cost model {summary['median_predicted_error']:+.0%}; member weights {rows[0]['member_bytes']} B against "
           f"{rows[0]['whole_bytes']} B")
     if args.json:
         with open(args.json, "w") as f:

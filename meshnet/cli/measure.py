@@ -189,8 +189,11 @@ def accept(model, out_dir, threads, numerics, only):
 @click.option("--overhead", default=None, callback=usage_error(parse_size),
               help="memory per worker process beside the stage itself [default: 128M]")
 @attention_options
+@click.option("--tp", "tp_members", type=click.IntRange(min=2, max=8), default=None,
+              help="also say what a tensor-parallel group of this many members would give on hosts like this one "
+                   "(runs the whole model briefly and a group's exchange over loopback to measure)")
 @click.option("--json", "as_json", is_flag=True, help='one object {"stages": [{"node", "layers": [A, B], "bytes"}, ...]}')
-def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, flash_attn, kv_type, as_json):
+def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, flash_attn, kv_type, tp_members, as_json):
     """Split MODEL over nodes by the memory each admits: each stage, in route order, as large as its node allows."""
     from meshnet.core.planner import OVERHEAD, ModelCost, Node, fitted_pool, format_size, worker_settings
     from meshnet.core.planner import plan as make_plan
@@ -210,11 +213,12 @@ def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, flash_attn, kv_type, 
         fail(e)
     admitted = dict(nodes)
     pools = [fitted_pool(cost, s.layers.start, s.layers.end, settings, admitted[s.node], overhead) for s in result.stages]
+    group = _tp_estimate(str(path), layout, tp_members) if tp_members else None
     if as_json:
         planned = result.to_dict()
         for stage, pool in zip(planned["stages"], pools):
             stage["kv_pool"] = pool
-        click.echo(json.dumps(dict(planned, n_ctx=n_ctx)))
+        click.echo(json.dumps(dict(planned, n_ctx=n_ctx, **({"tensor_parallel": group} if group else {}))))
         return
     click.echo(f"context {n_ctx} tokens per session at most, {sessions} sessions sharing each stage's KV pool"
                f" (KV cells in {kv_type})")
@@ -224,6 +228,19 @@ def plan(model, nodes, n_ctx, sessions, kv_pool, overhead, flash_attn, kv_type, 
                    f"{format_size(admitted[stage.node]):>12} {pool:>10}")
     for name, why in result.left_out.items():
         click.echo(f"{name:<16} {'-':<10} left out: {why}")
+    if group:
+        from meshnet.evidence.tp_estimate import describe
+        click.echo("\n".join(describe(group)))
+
+
+def _tp_estimate(path: str, layout, members: int) -> dict:
+    """The cost model's figures for a group (evidence/tp_estimate.py), measured here."""
+    from meshnet.evidence import tp_estimate
+
+    try:
+        return tp_estimate.estimate(layout, members, tp_estimate.whole_model_ms(path), tp_estimate.loopback_link(members))
+    except MeshnetError as e:
+        fail(e)
 
 
 def _layer_memory_if_built(path, kv_type: str = kv_cache.DEFAULT):

@@ -67,6 +67,7 @@ class ModelLayout:
     output_weights: int = 0   # ... the output matrix (token_embd when tied): the tail's extra work
     n_head: int = 0
     n_ff: int = 0
+    attn_width: int = 0         # the attention heads' output: heads x value length
     kv_bytes_per_cell: int = 0  # one layer's K and V of one token at f16, the engine's cache type
     n_ctx_train: int = 0        # the context it was trained on (0: the file does not say)
     files: list[SplitFile] = field(default_factory=list)   # the model's files: one, or its splits in order
@@ -261,6 +262,7 @@ def _read_layout(path: str) -> ModelLayout:
         output_weights=output_weights if has_output else token_embd_weights,
         n_head=int(n_head),
         n_ff=int(_scalar(_field(reader, f"{arch}.feed_forward_length")) or 0),
+        attn_width=int(n_head) * int(_scalar(value_dim) or 0),
         kv_bytes_per_cell=2 * int(n_head_kv) * (int(key_dim) + int(value_dim)),
         n_ctx_train=int(_scalar(_field(reader, f"{arch}.context_length")) or 0),
         files=[_split_file(p, r) for p, r in files],

@@ -6,7 +6,11 @@ that uses them."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
@@ -48,3 +52,50 @@ def engine_link(rank: int, size: int, sockets: Sequence, keys: Sequence[bytes | 
         raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of {size} needs a socket to each other member "
                            "and none to itself, and a positive timeout")
     return EngineLink(_ffi.gc(link, lib.meshnet_tp_link_free), sockets)
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """A group's exchange as measured through the engine's own gather: the median time of a
+    gather of a few values once the members go in step (the link's latency and the member's
+    work at each gather), and the bytes per second of a member's rows in a large one
+    (core/tp_cost.py's inputs)."""
+
+    gather_us: float
+    bandwidth: float
+
+
+SMALL_GATHERS = 32
+LARGE_GATHERS = 4
+LARGE_COLUMNS = 1 << 18   # a member's 1 MiB of rows: as much as a 128k-vocabulary model's logits
+
+
+def measure(link: EngineLink, rank: int, size: int) -> LinkFigures:
+    """Gathers outside any model (layer -1) in step with the group's other members, which
+    measure at the same time: every member must call this once, right after linking."""
+    lib = library()
+
+    def gathers(first_point: int, count: int, n_local: int) -> list[float]:
+        # as little Python between the gathers as can be: members in one process (meshnet
+        # bench) take turns at the interpreter's lock there, and each waits on the other
+        local = np.full(n_local, rank, dtype=np.float32)
+        whole = np.zeros(n_local * size, dtype=np.float32)
+        local_p, whole_p = _ffi.cast("float *", local.ctypes.data), _ffi.cast("float *", whole.ctypes.data)
+        gather, clock, took, status = lib.meshnet_tp_link_gather, time.perf_counter, [], 0
+        for point in range(first_point, first_point + count):
+            began = clock()
+            status |= gather(link.cdata, -1, point, local_p, n_local, rank * n_local, whole_p, n_local * size, 1)
+            took.append(clock() - began)
+        if status != 0:
+            raise MeshnetError(errors.TP_EXCHANGE, "measuring the group's exchange failed: " +
+                               _ffi.string(lib.meshnet_tp_link_error(link.cdata)).decode(errors="replace"))
+        if not np.array_equal(whole, np.repeat(np.arange(size, dtype=np.float32), n_local)):
+            raise MeshnetError(errors.TP_EXCHANGE, "the group's members gathered another's rows while measuring")
+        return took
+
+    # the first gathers find the members out of step (one waits for the other to arrive, or
+    # finds its rows there already); after them each gather starts as the last one ends
+    small = float(np.median(gathers(0, SMALL_GATHERS, 8)[SMALL_GATHERS // 4:]))
+    large = float(np.median(gathers(SMALL_GATHERS, LARGE_GATHERS, LARGE_COLUMNS)))
+    sent = (size - 1) * 4 * LARGE_COLUMNS
+    return LinkFigures(small * 1e6, sent / max(1e-9, large - small))

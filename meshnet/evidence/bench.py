@@ -23,6 +23,7 @@ from meshnet.core.metrics import paired_ratio, rss_bytes
 from meshnet.engine import models
 from meshnet.engine.gguf_layout import read_layout
 from meshnet.engine.pipeline import LocalPipeline, Request
+from meshnet.evidence import tp_estimate
 from meshnet.evidence.prompts import PROMPT_SETS
 from meshnet.launch.local_cluster import LocalCluster
 
@@ -170,6 +171,7 @@ def run_bench(model: str, n_stages: int, repeats: int, n_decode: int, threads: i
                 "prompts": len(texts), "prompt_set": prompts, "decode_tokens": n_decode, "threads": threads, "sessions": sessions,
                 "n_embd": layout.n_embd, "numerics": list(numerics), **attention}
     report = bench_report(settings, samples, first_class)
+    report.update(tp_estimate.section(layout, samples.get("whole") and samples["whole"].decode_tok_s))
     if coordinator_spans is not None:
         report["timeline"] = write_timeline(trace_dir, len(ranges), coordinator_spans)
     return report
@@ -310,6 +312,8 @@ def format_report(report: dict) -> str:
                  f"{c['hop_us']:.0f} us = {c['model_round_us']:.0f} us" if "model_round_us" in c else "")
         lines.append(f"per ring round, {report['configs'][label]['label']}: {c['round_us']:.0f} us for "
                      f"{c['tokens_per_round']:.2f} tokens ({c['token_us']:.0f} us a token){model}")
+    if "tensor_parallel" in report:
+        lines.extend(tp_estimate.describe(report["tensor_parallel"]))
     if shared:
         lines.append("* one process runs every in-process configuration: its RSS covers all of them together")
     if report.get("timeline"):

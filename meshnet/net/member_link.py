@@ -164,17 +164,18 @@ def _derive(keys: Keys, own_eph: bytes, peer_eph: tuple[bytes, bytes], binder: b
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
-    got = b""
-    while len(got) < n:
+    got = bytearray(n)
+    view, done = memoryview(got), 0
+    while done < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
         sock.settimeout(left)
-        chunk = sock.recv(n - len(got))
+        chunk = sock.recv_into(view[done:])
         if not chunk:
             raise ConnectionError("closed")
-        got += chunk
-    return got
+        done += chunk
+    return bytes(got)
 
 
 def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, keys: Keys | None,

@@ -7,7 +7,7 @@ import socket
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
-from meshnet.engine.tp_link import engine_link
+from meshnet.engine.tp_link import engine_link, measure
 from meshnet.net import member_link
 from meshnet.net.security import KeyPair
 
@@ -34,6 +34,7 @@ class GroupLink:
         self.timeout_ms, self.spin_us, self.link_timeout_s = timeout_ms, spin_us, link_timeout_s
         self.sockets: list[socket.socket | None] = [None] * size
         self.link_keys: list[bytes | None] = [None] * size
+        self.figures = None   # the group's exchange as measured when linked (engine/tp_link.py LinkFigures)
         self._listening: dict[int, tuple[socket.socket, member_link.Keys | None]] = {}
         self._engine_link = None
 
@@ -77,7 +78,8 @@ class GroupLink:
 
     def engine_link(self):
         """The engine's meshnet_tp_link over these streams (Stage's tp_link), once every
-        other member is linked."""
+        other member is linked; the first call measures the exchange with the group's
+        other members (which make the same call at about the same time)."""
         if self._engine_link is None:
             self.accept_all()
             missing = [peer for peer, sock in enumerate(self.sockets) if sock is None and peer != self.rank]
@@ -86,6 +88,7 @@ class GroupLink:
             cipher = member_link.cipher_addresses() if self.keys is not None else None
             self._engine_link = engine_link(self.rank, self.size, self.sockets, self.link_keys, cipher,
                                             self.timeout_ms, self.spin_us)
+            self.figures = measure(self._engine_link, self.rank, self.size)
         return self._engine_link
 
     @property

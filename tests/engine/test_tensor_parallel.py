@@ -97,6 +97,56 @@ def test_a_group_of_a_layer_range_passes_the_whole_models_residual():
     assert float(np.max(np.abs(expected - got))) == 0.0
 
 
+class Route:
+    """Stages in a route, each a layer range (a group or a whole stage), in one process: each
+    stage's residual rows go to the next as the route's seam carries them."""
+
+    def __init__(self, *stages):
+        self.stages = stages
+
+    def open_session(self, sid: int) -> None:
+        for stage in self.stages:
+            stage.open_session(sid)
+
+    def release_session(self, sid: int) -> None:
+        for stage in self.stages:
+            stage.release_session(sid)
+
+    def forward(self, entries):
+        out = self.stages[0].forward(entries)
+        for stage in self.stages[1:]:
+            rows, at = [], 0
+            for e in entries:
+                rows.append(Entry(e.session_id, e.pos, residual=out.residual[at:at + e.n_tokens].copy()))
+                at += e.n_tokens
+            out = stage.forward(rows)
+        return out
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS)
+def test_a_route_of_two_groups_of_two_gives_the_whole_models_logits(arch):
+    path = generated(arch)
+    prompts = {1: [1, 5, 9, 13, 17], 2: [2, 4, 8], 3: [7, 7, 7, 7, 7, 7, 7], 4: [3, 30, 60, 90]}
+    with Stage(path, **OPTIONS) as whole:
+        expected = passes(whole, prompts, steps=3)
+        n_layer = whole.info().n_layer
+    cut = n_layer // 2
+    with LocalGroup(path, 2, (0, cut), **OPTIONS) as head, LocalGroup(path, 2, (cut, n_layer), **OPTIONS) as tail:
+        got = passes(Route(head, tail), prompts, steps=3)
+    assert_same(expected, got)
+
+
+def test_a_route_may_mix_a_pipeline_stage_and_a_group():
+    path = generated("gemma3")
+    prompts = {1: [1, 5, 9, 13, 17], 2: [2, 4, 8]}
+    with Stage(path, **OPTIONS) as whole:
+        expected = passes(whole, prompts, steps=3)
+        n_layer = whole.info().n_layer
+    with Stage(path, (0, 1), **OPTIONS) as head, LocalGroup(path, 2, (1, n_layer), **OPTIONS) as tail:
+        got = passes(Route(head, tail), prompts, steps=3)
+    assert_same(expected, got)
+
+
 def test_a_group_of_three_splits_rows_in_blocks_of_eight_and_stays_exact(gemma3_path):
     # Gemma 3 270M (Q4_K, one KV head): 640 embedding rows over 3 members as 208/216/216,
     # whose rows take the repacked layout where the whole model's do

@@ -171,3 +171,19 @@ def test_plan_splits_qwen_over_two_nodes_that_cannot_hold_it_alone_and_refuses_o
 
     bad = meshnet("plan", qwen_path, "--node", "laptop")
     assert bad.returncode == 2 and "NAME=MEM" in bad.stderr
+
+
+def test_plan_says_what_a_tensor_parallel_group_would_give_from_figures_it_measures(qwen_path):
+    result = meshnet("plan", qwen_path, "--node", "laptop=2G", "--node", "mini=2G", "--ctx", "512", "--tp", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    group = json.loads(result.stdout)["tensor_parallel"]
+    # Qwen2.5-Coder-1.5B: 28 layers x 4 gathers and the logits; half of each gathered row sent
+    assert group["members"] == 2 and group["gathers_per_token"] == 113
+    assert round(group["sent_bytes_per_token"] / 1e3) == 1069
+    assert group["whole_ms"] > 0 and group["loopback_gather_us"] > 0 and group["loopback_bandwidth"] > 0
+    assert group["member_ms"] == group["whole_ms"] * group["member_share"]
+    # a faster link leaves more time for each gather
+    at = group["break_even_gather_us"]
+    assert at["1 GbE"] < at["2.5 GbE"] < at["10 GbE"]
+    table = meshnet("plan", qwen_path, "--node", "laptop=2G", "--node", "mini=2G", "--ctx", "512", "--tp", "2")
+    assert table.returncode == 0 and "a tensor-parallel group of 2: 113 gathers a token" in table.stdout
