@@ -369,7 +369,8 @@ MESHNET_API meshnet_status meshnet_chat_template(meshnet_stage * stage, const me
 /* A tensor-parallel member's exchange over stream sockets (TCP) the caller connected to each
  * other member and keyed: meshnet_tp_link_gather is a meshnet_stage_params.tp_gather, with
  * the link as tp_gather_user. FDS[r] is the socket to member r (-1 for the member itself);
- * the link reads and writes them without blocking and never closes them. With SEAL and OPEN
+ * the link reads and writes them without blocking, and owns them from a successful new on
+ * (meshnet_tp_link_free closes them; on NULL from new they stay the caller's). With SEAL and OPEN
  * (libsodium's crypto_aead_chacha20poly1305_ietf_encrypt and _decrypt, or functions of the
  * same contract), each message's rows are sealed with KEYS[32 r .. 32 r + 31], the key the
  * member shares with member r, under a nonce of the sender's rank and its count of messages

@@ -12,6 +12,7 @@
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -203,6 +204,13 @@ meshnet_tp_link * meshnet_tp_link_new(int32_t rank, int32_t size, const int32_t 
 }
 
 void meshnet_tp_link_free(meshnet_tp_link * link) {
+    if (link) {
+        for (auto & peer : link->peers) {
+            if (peer.fd >= 0) {
+                close(peer.fd);
+            }
+        }
+    }
     delete link;
 }
 
@@ -338,15 +346,15 @@ int32_t meshnet_tp_link_gather(void * user, int32_t layer, int32_t point, const 
             counted.idle_since = now;
             was_idle = true;
         }
+        if (now >= deadline) {
+            return link->fail("a member sent nothing for " + where(layer, point) + " in " +
+                              std::to_string(link->timeout_ms) + " ms: the group has lost it");
+        }
         if (now < spin_end) {
             // the peer's rows are usually microseconds away: a sleep and wake-up costs more;
             // a process that shares this CPU (another member, on a small machine) runs first
             sched_yield();
             continue;
-        }
-        if (now >= deadline) {
-            return link->fail("a member sent nothing for " + where(layer, point) + " in " +
-                              std::to_string(link->timeout_ms) + " ms: the group has lost it");
         }
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
         if (poll(waiting.data(), waiting.size(), (int) left) < 0 && errno != EINTR) {

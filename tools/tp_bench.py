@@ -70,7 +70,7 @@ def member(args) -> None:
         stage = Stage(args.model, tp=(args.rank, args.size), tp_link=link.engine_link(), **options)
     else:
         stage = Stage(args.model, **options)
-    figures = [link.figures.__dict__] if link else []
+    figures = [link.measure().__dict__] if link else []
     driver.send_json({"ready": True, "model_bytes": stage.info().model_bytes, "links": figures})
     stage.open_session(1)
     pos = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 GATHERS_PER_LAYER = 4   # the attention heads' output, its projection, the FFN activation, the FFN output
 FLOAT_BYTES = 4
-MESSAGE_OVERHEAD = 32 + 16   # a gather's header and its seal's tag (engine_c/tp_link.cpp)
+HEADER_BYTES, TAG_BYTES = 32, 16   # before each message's rows, and after them when sealed (engine_c/tp_link.cpp)
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,18 @@ class GroupShape:
 
 
 def group_shape(members: int, n_layer: int, n_embd: int, attn_width: int, n_ff: int, n_vocab: int,
-                layer_weights: int, output_weights: int, replicated_weights: int = 0) -> GroupShape:
-    """The shape of a group over a model: ATTN_WIDTH is the attention heads' output width
-    (heads x value length), LAYER_WEIGHTS the per-token weights of all layers,
+                layer_weights: int, output_weights: int, replicated_weights: int = 0, sealed: bool = True) -> GroupShape:
+    """The shape of a group over N_LAYER layers: ATTN_WIDTH is the attention heads' output
+    width (heads x value length), N_VOCAB the logits' (0 for a group without the output
+    layer: no gather for them), LAYER_WEIGHTS the per-token weights of its layers,
     OUTPUT_WEIGHTS the output matrix's, REPLICATED_WEIGHTS those every member reads whole
-    (a single KV head's projections)."""
+    (a single KV head's projections); SEALED: rows sealed (a tag each message)."""
     if members < 2:
         raise ValueError("a group has two members at least")
     widths = n_layer * (attn_width + n_embd + n_ff + n_embd) + n_vocab
-    gathers = GATHERS_PER_LAYER * n_layer + 1
-    sent = (members - 1) * (FLOAT_BYTES * widths // members + gathers * MESSAGE_OVERHEAD)
+    gathers = GATHERS_PER_LAYER * n_layer + (1 if n_vocab else 0)
+    per_message = HEADER_BYTES + (TAG_BYTES if sealed else 0)
+    sent = (members - 1) * (FLOAT_BYTES * widths // members + gathers * per_message)
     whole = layer_weights + output_weights
     share = ((whole - replicated_weights) / members + replicated_weights) / whole if whole else 1 / members
     return GroupShape(members, gathers, sent, share)

@@ -1,11 +1,12 @@
 """The engine's exchange for a tensor-parallel member (meshnet_tp_link) over stream sockets
 the caller connected and keyed (net/member_link.py): at each gather the engine sends and
 receives the rows on its compute thread, without Python, sealing them with the cipher whose
-functions it is given. The sockets stay the caller's, closed by their owner after the stage
-that uses them."""
+functions it is given. The link works on its own copies of the sockets (dup), closed when
+it is freed."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,11 +19,11 @@ from meshnet.engine.binding import _ffi, library
 
 
 class EngineLink:
-    """A meshnet_tp_link (cdata, freed with its last reference) and the sockets it reads,
-    which it keeps open for as long as it lives: a Stage's tp_link."""
+    """A meshnet_tp_link (cdata, freed with its last reference, which closes its copies of
+    the sockets): a Stage's tp_link."""
 
-    def __init__(self, cdata, sockets: Sequence):
-        self.cdata, self.sockets = cdata, list(sockets)
+    def __init__(self, cdata):
+        self.cdata = cdata
 
     def stats(self) -> dict[str, int]:
         """The gathers so far: how many, their time and idle time (ns), bytes sent."""
@@ -38,7 +39,10 @@ def engine_link(rank: int, size: int, sockets: Sequence, keys: Sequence[bytes | 
     libsodium's chacha20poly1305_ietf) every row is sealed with KEYS[r], the key shared with
     member r."""
     lib = library()
-    fds = _ffi.new("int32_t[]", [-1 if s is None else s.fileno() for s in sockets])
+    # the link's own descriptors: the caller may close its sockets while a stage still runs
+    # on the link, and a number reused by another connection must never receive rows
+    owned = [-1 if s is None else os.dup(s.fileno()) for s in sockets]
+    fds = _ffi.new("int32_t[]", owned)
     sealed = cipher is not None
     if sealed and (keys is None or len(keys) != size or
                    any(len(k or b"") != 32 for r, k in enumerate(keys) if r != rank)):
@@ -49,9 +53,12 @@ def engine_link(rank: int, size: int, sockets: Sequence, keys: Sequence[bytes | 
     opener = _ffi.cast("meshnet_tp_open_fn", cipher[1]) if sealed else _ffi.NULL
     link = lib.meshnet_tp_link_new(rank, size, fds, key_bytes, seal, opener, timeout_ms, spin_us)
     if link == _ffi.NULL:
+        for fd in owned:
+            if fd >= 0:
+                os.close(fd)
         raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of {size} needs a socket to each other member "
                            "and none to itself, and a positive timeout")
-    return EngineLink(_ffi.gc(link, lib.meshnet_tp_link_free), sockets)
+    return EngineLink(_ffi.gc(link, lib.meshnet_tp_link_free))
 
 
 @dataclass(frozen=True)
@@ -98,4 +105,5 @@ def measure(link: EngineLink, rank: int, size: int) -> LinkFigures:
     small = float(np.median(gathers(0, SMALL_GATHERS, 8)[SMALL_GATHERS // 4:]))
     large = float(np.median(gathers(SMALL_GATHERS, LARGE_GATHERS, LARGE_COLUMNS)))
     sent = (size - 1) * 4 * LARGE_COLUMNS
-    return LinkFigures(small * 1e6, sent / max(1e-9, large - small))
+    # (a large gather measured as fast as a small one is noise: its time alone, then)
+    return LinkFigures(small * 1e6, sent / (large - small if large > 2 * small else large))

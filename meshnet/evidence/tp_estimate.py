@@ -44,8 +44,7 @@ def loopback_link(members: int = 2) -> LinkFigures:
         def link(rank: int):
             for low in range(rank):
                 links[rank].connect_to(low, endpoints[(low, rank)], keys[low].public)
-            links[rank].engine_link()
-            return links[rank].figures
+            return links[rank].measure()
 
         with ThreadPoolExecutor(members) as pool:
             figures = list(pool.map(link, range(members)))

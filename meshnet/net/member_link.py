@@ -11,13 +11,15 @@ keys, and the cipher is libsodium's (the library CURVE itself runs on, loaded by
 The handshake (each side's fixed-size messages, read under a deadline):
   connector -> binder: MAGIC, its rank, a fresh ephemeral X25519 public key
   binder -> connector: MAGIC, its rank, its ephemeral public key
-  both: key = BLAKE2b(LABEL, DH(own static, peer static), DH(own ephemeral, peer ephemeral),
-        both static publics, both ephemerals, both ranks), then each sends a tag sealed
-        with it, which the other opens.
-Only the holders of the two expected secret keys derive the key (the static DH), and a new
-one each link (the ephemeral DH: a recorded stream stays sealed if a key leaks later). A
-peer that fails the handshake is closed; a binder keeps listening for the right one until
-its deadline. Without keys (loopback, --insecure) the ranks are exchanged and nothing else.
+  both: key = BLAKE2b(LABEL, the group's id, the four DH results of Noise's KK pattern
+        (static-static, static-ephemeral both ways, ephemeral-ephemeral), both static
+        publics, both ephemerals, both ranks), then each sends a tag sealed with it, which
+        the other opens.
+Only the holders of the two expected secret keys derive the key, for this group only, and a
+new one each link (a recorded stream stays sealed if a key leaks later). A peer that fails
+the handshake is closed; a binder keeps listening for the right one until its deadline
+(handshakes are taken one at a time, each for 2 s at most). Without keys (loopback,
+--insecure) the ranks are exchanged and nothing else.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ KEY_BYTES = 32
 TAG_BYTES = 16
 CONFIRM_COUNT = 2**64 - 1   # the confirmation's nonce count: never a data message's
 HELLO = struct.Struct("<8si32s")
-HANDSHAKE_SECONDS = 5.0     # one connection's handshake; a binder's whole wait is longer
+# one connection's handshake (two small messages each way): a stranger that connects and says
+# nothing holds the listener this long at most; a binder's whole wait is longer
+HANDSHAKE_SECONDS = 2.0
 
 _ffi = cffi.FFI()
 _ffi.cdef("""
@@ -145,19 +149,29 @@ def _ephemeral() -> tuple[bytes, bytes]:
 def _dh(secret: bytes, public: bytes) -> bytes:
     out = _ffi.new("unsigned char[32]")
     if sodium().crypto_scalarmult(out, secret, public) != 0:
-        raise MeshnetError(errors.BAD_KEY, "a peer's key is not a usable X25519 point")
+        # (libsodium refuses a low-order point: a peer's key that would make the secret known)
+        raise ValueError("a peer's key is not a usable X25519 point")
     return bytes(out)
 
 
-def _derive(keys: Keys, own_eph: bytes, peer_eph: tuple[bytes, bytes], binder: bool,
+def _derive(keys: Keys, group: bytes, own_eph: tuple[bytes, bytes], peer_eph: bytes, binder: bool,
             own_rank: int, peer_rank: int) -> bytes:
-    eph_secret, eph_public = own_eph
-    static = _dh(_raw(keys.secret, "this member's secret key"), _raw(keys.peer_public, "the peer's public key"))
-    fresh = _dh(eph_secret, peer_eph[0])
+    """The link's key from four Diffie-Hellman results, as Noise's KK pattern takes them:
+    static-static and both static-ephemeral pairs (only the two key holders derive it, and a
+    stolen secret key does not let its thief pose as a peer to its owner), and
+    ephemeral-ephemeral (a new key each link); bound to the group and the whole transcript."""
+    own_secret = _raw(keys.secret, "this member's secret key")
     own_static, peer_static = _raw(keys.public, "this member's public key"), _raw(keys.peer_public, "the peer's key")
-    ordered = ((own_static, peer_static, eph_public, peer_eph[0], own_rank, peer_rank) if binder
-               else (peer_static, own_static, peer_eph[0], eph_public, peer_rank, own_rank))
-    material = LABEL + static + fresh + b"".join(ordered[:4]) + struct.pack("<ii", *ordered[4:])
+    eph_secret, eph_public = own_eph
+    ss = _dh(own_secret, peer_static)
+    ee = _dh(eph_secret, peer_eph)
+    # es: the binder's static with the connector's ephemeral; se: the other way round
+    es = _dh(own_secret, peer_eph) if binder else _dh(eph_secret, peer_static)
+    se = _dh(eph_secret, peer_static) if binder else _dh(own_secret, peer_eph)
+    ordered = ((own_static, peer_static, eph_public, peer_eph, own_rank, peer_rank) if binder
+               else (peer_static, own_static, peer_eph, eph_public, peer_rank, own_rank))
+    material = (LABEL + struct.pack("<I", len(group)) + group + ss + ee + es + se + b"".join(ordered[:4])
+                + struct.pack("<ii", *ordered[4:]))
     out = _ffi.new("unsigned char[32]")
     sodium().crypto_generichash(out, KEY_BYTES, material, len(material), _ffi.NULL, 0)
     return bytes(out)
@@ -178,7 +192,7 @@ def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(got)
 
 
-def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, keys: Keys | None,
+def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, keys: Keys | None, group: bytes,
                deadline: float) -> bytes | None:
     """The key this link's rows are sealed with (None without keys); raises ValueError for a
     peer that is not the member expected, OSError/TimeoutError for a lost one."""
@@ -193,10 +207,10 @@ def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, key
         sock.sendall(own)
     if keys is None:
         return None
-    key = _derive(keys, (eph_secret, eph_public), (their_eph,), binder, rank, peer_rank)
+    key = _derive(keys, group, (eph_secret, eph_public), their_eph, binder, rank, peer_rank)
     sock.sendall(seal(key, rank, CONFIRM_COUNT, b"", MAGIC))
     if not opens(key, peer_rank, CONFIRM_COUNT, _read(sock, TAG_BYTES, deadline), MAGIC):
-        raise ValueError(f"a peer without member {peer_rank}'s key")
+        raise ValueError(f"a peer without member {peer_rank}'s key, or of another group")
     return key
 
 
@@ -231,7 +245,7 @@ def listen(address: str) -> tuple[socket.socket, str]:
     return listener, f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
 
 
-def accept(listener: socket.socket, rank: int, peer_rank: int, keys: Keys | None,
+def accept(listener: socket.socket, rank: int, peer_rank: int, keys: Keys | None, group: bytes,
            timeout_s: float) -> tuple[socket.socket, bytes | None]:
     """The connection of member PEER_RANK, handshaken: others that come first are closed."""
     deadline = time.monotonic() + timeout_s
@@ -245,14 +259,18 @@ def accept(listener: socket.socket, rank: int, peer_rank: int, keys: Keys | None
         except TimeoutError:
             continue
         try:
-            key = _handshake(sock, True, rank, peer_rank, keys, min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
+            key = _handshake(sock, True, rank, peer_rank, keys, group,
+                             min(deadline, time.monotonic() + HANDSHAKE_SECONDS))
             return _tune(sock), key
         except (ValueError, OSError, struct.error) as e:
             log.warning("member %d refused a link from %s: %s", rank, origin, e or type(e).__name__)
             sock.close()
+        except BaseException:
+            sock.close()
+            raise
 
 
-def connect(endpoint: str, rank: int, peer_rank: int, keys: Keys | None,
+def connect(endpoint: str, rank: int, peer_rank: int, keys: Keys | None, group: bytes,
             timeout_s: float) -> tuple[socket.socket, bytes | None]:
     """A connection to member PEER_RANK's listener, handshaken."""
     host, port = split_endpoint(endpoint)
@@ -263,7 +281,7 @@ def connect(endpoint: str, rank: int, peer_rank: int, keys: Keys | None,
         raise MeshnetError(errors.UNREACHABLE, f"member {rank} cannot reach member {peer_rank} at {endpoint}: "
                            f"{e.strerror or e}") from None
     try:
-        return _tune(sock), _handshake(sock, False, rank, peer_rank, keys, deadline)
+        return _tune(sock), _handshake(sock, False, rank, peer_rank, keys, group, deadline)
     except ValueError as e:
         sock.close()
         raise MeshnetError(errors.BAD_KEY, f"member {rank} refused the link at {endpoint}: {e}") from None
@@ -271,3 +289,6 @@ def connect(endpoint: str, rank: int, peer_rank: int, keys: Keys | None,
         sock.close()
         raise MeshnetError(errors.UNREACHABLE, f"member {peer_rank} at {endpoint} broke off the link's handshake "
                            f"({e or type(e).__name__})") from None
+    except BaseException:
+        sock.close()
+        raise

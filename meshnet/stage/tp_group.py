@@ -27,10 +27,12 @@ class GroupLink:
     other's public key."""
 
     def __init__(self, rank: int, size: int, keys: KeyPair | None = None, timeout_ms: int = GATHER_TIMEOUT_MS,
-                 spin_us: int = SPIN_US, link_timeout_s: float = LINK_TIMEOUT_S):
+                 spin_us: int = SPIN_US, link_timeout_s: float = LINK_TIMEOUT_S, group: bytes = b""):
         if size < 2 or not 0 <= rank < size:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {rank} of a group of {size}")
-        self.rank, self.size, self.keys = rank, size, keys
+        # GROUP names the group (its model and layers, say): a member's keys in two groups
+        # cannot link one group's member to the other's
+        self.rank, self.size, self.keys, self.group = rank, size, keys, group
         self.timeout_ms, self.spin_us, self.link_timeout_s = timeout_ms, spin_us, link_timeout_s
         self.sockets: list[socket.socket | None] = [None] * size
         self.link_keys: list[bytes | None] = [None] * size
@@ -63,7 +65,7 @@ class GroupLink:
         if peer > self.rank:
             raise MeshnetError(errors.INVALID_ARGUMENT, f"member {self.rank} binds for member {peer}; it does not connect")
         keys = self._peer_keys(peer, peer_public)
-        self.sockets[peer], self.link_keys[peer] = member_link.connect(endpoint, self.rank, peer, keys,
+        self.sockets[peer], self.link_keys[peer] = member_link.connect(endpoint, self.rank, peer, keys, self.group,
                                                                        self.link_timeout_s)
 
     def accept_all(self) -> None:
@@ -71,15 +73,14 @@ class GroupLink:
         for peer, (listener, keys) in sorted(self._listening.items()):
             try:
                 self.sockets[peer], self.link_keys[peer] = member_link.accept(listener, self.rank, peer, keys,
-                                                                              self.link_timeout_s)
+                                                                              self.group, self.link_timeout_s)
             finally:
                 listener.close()
                 del self._listening[peer]
 
     def engine_link(self):
         """The engine's meshnet_tp_link over these streams (Stage's tp_link), once every
-        other member is linked; the first call measures the exchange with the group's
-        other members (which make the same call at about the same time)."""
+        other member is linked."""
         if self._engine_link is None:
             self.accept_all()
             missing = [peer for peer, sock in enumerate(self.sockets) if sock is None and peer != self.rank]
@@ -88,15 +89,22 @@ class GroupLink:
             cipher = member_link.cipher_addresses() if self.keys is not None else None
             self._engine_link = engine_link(self.rank, self.size, self.sockets, self.link_keys, cipher,
                                             self.timeout_ms, self.spin_us)
-            self.figures = measure(self._engine_link, self.rank, self.size)
         return self._engine_link
+
+    def measure(self):
+        """The group's exchange as measured through the engine's gather (the cost model's
+        inputs): every member calls it at about the same time, before its stage's first
+        pass, and each waits for the others."""
+        self.figures = measure(self.engine_link(), self.rank, self.size)
+        return self.figures
 
     @property
     def sealed(self) -> bool:
         return self.keys is not None
 
     def close(self) -> None:
-        """The sockets closed; the engine's link must not be used after (its stage closed first)."""
+        """This side's sockets closed (the engine's link holds its own copies of them, closed
+        when the link is freed: a stage still using it keeps the streams open)."""
         self._engine_link = None
         for listener, _ in self._listening.values():
             listener.close()

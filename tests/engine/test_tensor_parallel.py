@@ -231,6 +231,10 @@ def test_members_linked_over_keyed_streams_exchange_in_the_engine_and_give_the_w
         expected = passes(whole, prompts, steps=3)
     links = linked_pair()
     assert links[0].link_keys[1] == links[1].link_keys[0] and len(links[0].link_keys[1]) == 32
+    # the cost model's figures, measured through the engine's gather by both at once
+    with ThreadPoolExecutor(2) as pool:
+        figures = list(pool.map(lambda link: link.measure(), links))
+    assert all(0 < f.gather_us < 1e6 and f.bandwidth > 0 for f in figures)
     members = [Stage(path, tp=(rank, 2), tp_link=links[rank].engine_link(), **OPTIONS) for rank in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -248,7 +252,9 @@ def test_a_listening_member_refuses_a_peer_without_the_expected_key_and_waits_fo
     from meshnet.net import member_link
     from meshnet.stage.tp_group import GroupLink
     keys = [KeyPair(*zmq.curve_keypair()) for _ in range(3)]
-    binder, member, impostor = (GroupLink(0, 2, keys[0]), GroupLink(1, 2, keys[1]), GroupLink(1, 2, keys[2]))
+    binder, member, impostor = (GroupLink(0, 2, keys[0], group=b"qwen 0:28"), GroupLink(1, 2, keys[1], group=b"qwen 0:28"),
+                                GroupLink(1, 2, keys[2], group=b"qwen 0:28"))
+    elsewhere = GroupLink(1, 2, keys[1], group=b"qwen 0:14")   # member 1's keys, another group
     endpoint = binder.bind_for(1, peer_public=keys[1].public)
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -257,8 +263,18 @@ def test_a_listening_member_refuses_a_peer_without_the_expected_key_and_waits_fo
             with pytest.raises(MeshnetError) as e:
                 impostor.connect_to(0, endpoint, keys[0].public)
             assert e.value.code == "bad_key" and "refused the link" in e.value.message
-            # a peer that is not a member at all, speaking nonsense, is closed too
+            with pytest.raises(MeshnetError) as e:
+                elsewhere.connect_to(0, endpoint, keys[0].public)
+            assert e.value.code == "bad_key"
             host, port = member_link.split_endpoint(endpoint)
+            # a stranger's low-order ephemeral key (one that would make the link's key known)
+            with socket.create_connection((host, port)) as stranger:
+                stranger.sendall(member_link.HELLO.pack(member_link.MAGIC, 1, bytes(32)))
+                try:
+                    assert stranger.recv(member_link.HELLO.size + 64, socket.MSG_WAITALL) is not None
+                except ConnectionResetError:
+                    pass
+            # a peer that is not a member at all, speaking nonsense, is closed too
             with socket.create_connection((host, port)) as stranger:
                 stranger.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
                 try:
@@ -269,7 +285,7 @@ def test_a_listening_member_refuses_a_peer_without_the_expected_key_and_waits_fo
             accepting.result(timeout=60)
         assert binder.link_keys[1] == member.link_keys[0]
     finally:
-        for link in (binder, member, impostor):
+        for link in (binder, member, impostor, elsewhere):
             link.close()
 
 
@@ -287,12 +303,20 @@ def answer_as_peer(peer: socket.socket, answer: str, key: bytes | None) -> None:
         peer.sendall(struct.pack("<iiqqq", layer + 1, point, n_rows, n_local, n_local) + rows)
     elif answer == "overlap":   # member 0's own columns
         peer.sendall(struct.pack("<iiqqq", layer, point, n_rows, n_local, offset) + rows)
+    elif answer == "no columns":
+        peer.sendall(struct.pack("<iiqqq", layer, point, n_rows, 0, n_local))
+    elif answer == "columns past the row":
+        peer.sendall(struct.pack("<iiqqq", layer, point, n_rows, 2**62, n_local) + rows)
+    elif answer == "a negative offset":
+        peer.sendall(struct.pack("<iiqqq", layer, point, n_rows, n_local, -n_local) + rows)
+    elif answer == "other rows":
+        peer.sendall(struct.pack("<iiqqq", layer, point, n_rows + 1, n_local, n_local) + rows)
     elif answer == "cut off":
         peer.sendall(theirs + rows[:-4])
         peer.shutdown(socket.SHUT_WR)
     elif answer == "unsealed":   # the right gather, rows not sealed with the group's key
         peer.sendall(theirs + rows + bytes(member_link.TAG_BYTES))
-    elif answer == "replayed":   # member 0's own sealed rows sent back
+    elif answer == "reflected":   # member 0's own sealed rows sent back to it
         peer.sendall(theirs + sealed)
     elif answer == "sealed right, then a nonce again":
         peer.sendall(theirs + member_link.seal(key, 1, 0, rows, theirs))
@@ -305,10 +329,14 @@ def answer_as_peer(peer: socket.socket, answer: str, key: bytes | None) -> None:
 @pytest.mark.parametrize("answer, sealed, why", [
     ("another gather", False, "with another gather's rows"),
     ("overlap", False, "overlap another member's"),
+    ("no columns", False, "with another gather's rows"),
+    ("columns past the row", False, "with another gather's rows"),
+    ("a negative offset", False, "with another gather's rows"),
+    ("other rows", True, "with another gather's rows"),
     ("cut off", False, "closed its link"),
     ("silence", False, "sent nothing"),
     ("unsealed", True, "do not open with the group's key"),
-    ("replayed", True, "do not open with the group's key"),
+    ("reflected", True, "do not open with the group's key"),
     ("sealed right, then a nonce again", True, "do not open with the group's key"),
 ])
 def test_a_member_refuses_a_peers_wrong_or_missing_rows_with_a_clear_error(answer, sealed, why):

@@ -14,7 +14,7 @@ def test_a_group_of_two_gathers_four_times_a_layer_and_once_for_the_logits():
     assert shape.gathers == 113
     # half of every gathered row, to one peer, with each message's header and tag:
     # what tools/tp_bench.py counts the engine sending (1069 kB a token)
-    assert shape.sent_bytes == 4 * (28 * (1536 + 1536 + 8960 + 1536) + 151936) // 2 + 113 * 48
+    assert shape.sent_bytes == 4 * (28 * (1536 + 1536 + 8960 + 1536) + 151936) // 2 + 113 * (32 + 16)
     assert round(shape.sent_bytes / 1e3) == 1069
     assert shape.member_share == 0.5
 
@@ -52,3 +52,10 @@ def test_the_break_even_gather_is_where_the_group_is_as_slow_as_the_whole_model(
 def test_a_group_of_one_is_refused():
     with pytest.raises(ValueError):
         tp_cost.group_shape(1, **QWEN)
+
+
+def test_a_group_without_the_output_layer_gathers_no_logits_and_unsealed_rows_carry_no_tag():
+    middle = tp_cost.group_shape(2, **dict(QWEN, n_vocab=0, output_weights=0))
+    assert middle.gathers == 112
+    plain = tp_cost.group_shape(2, **QWEN, sealed=False)
+    assert tp_cost.group_shape(2, **QWEN).sent_bytes - plain.sent_bytes == 113 * 16
