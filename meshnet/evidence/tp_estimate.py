@@ -18,8 +18,8 @@ from meshnet.engine.gguf_layout import ModelLayout
 from meshnet.engine.tp_link import LinkFigures
 from meshnet.net.security import KeyPair
 
-# the architectures patch 0019 splits (llama_model_set_tensor_parallel); the others are refused
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# the architectures patches 0019 and 0020 split (llama_model_set_tensor_parallel); the others are refused
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # links people put machines on, in bytes a second: at each, the slowest gather that still pays
 LINKS = {"1 GbE": 117e6, "2.5 GbE": 294e6, "10 GbE": 1.17e9}
 

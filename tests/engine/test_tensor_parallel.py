@@ -16,12 +16,16 @@ from meshnet.net.security import KeyPair
 
 from conftest import TEST_MODELS
 
-TP_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# the generated models of the architectures a group is built for (qwen3moe: each expert's rows
+# split, its 2 experts both used for every token)
+TP_MODELS = {"llama": "llama-dense", "qwen2": "qwen2-dense", "qwen3": "qwen3-dense", "gemma3": "gemma3-dense",
+             "qwen3moe": "qwen3moe-moe"}
+TP_ARCHS = tuple(TP_MODELS)
 OPTIONS = dict(n_ctx=128, max_sessions=4, n_threads=1)
 
 
 def generated(arch: str) -> str:
-    path = os.path.join(TEST_MODELS, f"{arch}-dense.gguf")
+    path = os.path.join(TEST_MODELS, f"{TP_MODELS[arch]}.gguf")
     assert os.path.isfile(path), f"{path} is missing: run `make test-models` (make test does)"
     return path
 
@@ -85,8 +89,9 @@ def test_the_group_is_exact_in_either_numerics_class(numerics):
     assert_same(expected, got)
 
 
-def test_a_group_of_a_layer_range_passes_the_whole_models_residual():
-    path = generated("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_a_group_of_a_layer_range_passes_the_whole_models_residual(arch):
+    path = generated(arch)
     entries = [Entry(1, 0, tokens=np.array([4, 8, 15, 16, 23, 42], dtype=np.int32))]
     with Stage(path, (0, 2), **OPTIONS) as head:
         head.open_session(1)
@@ -171,7 +176,7 @@ def test_what_cannot_be_split_is_refused_with_the_reason():
     # more members than a model's KV heads (the generated llama has 2 KV heads of 4 heads)
     with pytest.raises(MeshnetError, match="at most that many members"):
         LocalGroup(generated("llama"), 3, **OPTIONS)
-    with pytest.raises(MeshnetError, match="mixture of experts"):
+    with pytest.raises(MeshnetError, match="mixture of experts but qwen3moe's"):
         LocalGroup(os.path.join(TEST_MODELS, "llama-moe.gguf"), 2, **OPTIONS)
     with pytest.raises(MeshnetError, match="tp_gather") as e:
         Stage(generated("llama"), tp=(0, 2), **OPTIONS)
