@@ -40,29 +40,7 @@ SAY_AS=netns-tp
 . "$root/tools/netns-lib.sh"
 make_namespaces
 
-if [ -z "$delay" ]; then
-    ip link add "$link_a" type veth peer name "$link_b" 2>"$logs/ip.err" || skip "no veth pair: $(cat "$logs/ip.err")"
-    wire="a veth pair"
-else
-    start wire "" "$py" "$root/tools/delay_wire.py" --delay "$delay" "$link_a" "$link_b"
-    for _ in $(seq 100); do
-        grep -q '^ready' "$logs/wire.log" && break
-        if ! kill -0 "${pids[-1]}" 2>/dev/null; then
-            wait "${pids[-1]}" && status=0 || status=$?
-            [ "$status" -eq 77 ] && skip "$(tail -n 1 "$logs/wire.log")"
-            exit "$(( status == 2 ? 2 : 1 ))"
-        fi
-        sleep 0.1
-    done
-    grep -q '^ready' "$logs/wire.log" || { echo "netns-tp: the delaying wire did not start" >&2; exit 1; }
-    wire="two TAP devices and tools/delay_wire.py ($delay one-way, each direction)"
-fi
-ip link set "$link_a" netns "$ns_a"
-ip link set "$link_b" netns "$ns_b"
-ip -n "$ns_a" addr add "$addr_a/24" dev "$link_a"
-ip -n "$ns_b" addr add "$addr_b/24" dev "$link_b"
-ip -n "$ns_a" link set "$link_a" up
-ip -n "$ns_b" link set "$link_b" up
+join_namespaces "$addr_a" "$addr_b" "$delay"
 echo "netns-tp: $ns_a ($addr_a) and $ns_b ($addr_b) joined by $wire"
 
 ${tie[@]+"${tie[@]}"} ip netns exec "$ns_a" "$py" "$root/tools/tp_bench.py" "$model" \
