@@ -71,17 +71,10 @@ SAY_AS=netns-join
 # shellcheck source=netns-lib.sh
 . "$root/tools/netns-lib.sh"
 make_namespaces
-ip link add "$link_a" type veth peer name "$link_b" 2>"$logs/ip.err" || skip "no veth pair: $(cat "$logs/ip.err")"
-ip link set "$link_a" netns "$ns_a"
-ip link set "$link_b" netns "$ns_b"
-ip -n "$ns_a" addr add "$addr_a/24" dev "$link_a"
-ip -n "$ns_b" addr add "$addr_b/24" dev "$link_b"
-ip -n "$ns_a" link set "$link_a" up
-ip -n "$ns_b" link set "$link_b" up
+join_namespaces "$addr_a" "$addr_b"
 # a real host's default route covers multicast (mDNS); these hosts have none
 ip -n "$ns_a" route add 224.0.0.0/4 dev "$link_a"
 ip -n "$ns_b" route add 224.0.0.0/4 dev "$link_b"
-wire="a veth pair"
 if [ -n "$rate" ]; then
     for side in "$ns_a $link_a" "$ns_b $link_b"; do
         set -- $side

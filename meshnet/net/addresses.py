@@ -84,3 +84,20 @@ def advertised(endpoint: str, coordinator: str) -> str:
     except (OSError, ValueError, IndexError):
         return endpoint
     return f"tcp://{f'[{local}]' if ':' in local else local}:{port}"
+
+
+def tcp_listener(host: str, port: int, backlog: int, why: str, reuse_address: bool = False) -> socket.socket:
+    """A TCP socket bound to HOST:PORT (an IPv6 host where it has a colon) and listening;
+    MeshnetError(address_in_use or bad_address) saying which address, and WHY (what the
+    caller can do about it), where it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if reuse_address:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        code = E.ADDRESS_IN_USE if e.errno == 98 else E.BAD_ADDRESS
+        raise MeshnetError(code, f"cannot listen on {host}:{port}: {e.strerror}; {why}") from None
+    sock.listen(backlog)
+    return sock

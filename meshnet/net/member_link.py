@@ -37,6 +37,7 @@ from zmq.utils import z85
 
 from meshnet.core import errors
 from meshnet.core.errors import MeshnetError
+from meshnet.net import addresses
 
 log = logging.getLogger("meshnet.net.member_link")
 
@@ -232,15 +233,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 def listen(address: str) -> tuple[socket.socket, str]:
     """A listening socket at ADDRESS (tcp://HOST:PORT, port 0 for any) and its endpoint."""
     host, port = split_endpoint(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.bind((host, port))
-    except OSError as e:
-        listener.close()
-        code = errors.ADDRESS_IN_USE if e.errno == 98 else errors.BAD_ADDRESS
-        raise MeshnetError(code, f"cannot listen on {address} for a group member: {e.strerror}") from None
-    listener.listen(4)
+    listener = addresses.tcp_listener(host, port, 4, "give a group member's listener another address")
     bound_host, bound_port = listener.getsockname()[:2]
     return listener, f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
 

@@ -12,8 +12,7 @@ import sys
 
 from meshnet.core import defaults
 from meshnet.core import kv_cache
-from meshnet.core import errors
-from meshnet.core.errors import MeshnetError
+from meshnet.net import addresses
 from meshnet.engine import models
 from meshnet.serve.app import create_app
 from meshnet.serve.openai import model_id
@@ -21,16 +20,7 @@ from meshnet.serve.openai import model_id
 
 def listen(host: str, port: int) -> socket.socket:
     """The HTTP socket, bound and listening before any worker starts: a port in use fails at once."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        code = errors.ADDRESS_IN_USE if e.errno == 98 else errors.BAD_ADDRESS
-        raise MeshnetError(code, f"cannot listen on {host}:{port}: {e.strerror}; choose another --host/--port") from None
-    sock.listen(1024)
-    return sock
+    return addresses.tcp_listener(host, port, 1024, "choose another --host/--port", reuse_address=True)
 
 
 def serve(model: str | None, sock: socket.socket, *, api_key: str | None = None, bind: str | None = None,
