@@ -55,6 +55,18 @@ def tokens(v):
     return all(is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
 
 
+MAX_MIRROR_ENTRIES = 4096   # a forward pass's entries: far more than any stage's sessions
+
+
+def mirror_entries(v):
+    """A MIRROR forward's entries: [sid, pos, n, verify, tokens or None], n >= 1, tokens of n ids."""
+    return 0 < len(v) <= MAX_MIRROR_ENTRIES and all(
+        isinstance(e, list) and len(e) == 5 and is_int(e[0]) and u64(e[0]) and is_int(e[1]) and e[1] >= 0
+        and is_int(e[2]) and e[2] >= 1 and isinstance(e[3], bool)
+        and (e[4] is None or (isinstance(e[4], list) and len(e[4]) == e[2] and tokens(e[4])))
+        for e in v)
+
+
 def block_keys(v):
     return len(v) <= MAX_BLOCKS and all(is_int(k) and 0 <= k <= U64_MAX for k in v)
 

@@ -30,10 +30,10 @@ from meshnet.core.drafts import MAX_DRAFTS
 from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import MAX_GRAMMAR_BYTES, Sampling
 from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked,
-                                curve_key, endpoint, is_int, layer_range, nonneg, positive, sampling, seams, tokens,
-                                top_logprobs, u64)
+                                curve_key, endpoint, is_int, layer_range, mirror_entries, nonneg, positive, sampling,
+                                seams, tokens, top_logprobs, u64)
 
-VERSION = 16  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
+VERSION = 17  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
               # 5: the stage's numerics class in READY; 6: each layer's memory in the cost;
               # 7: prefix reuse (the prompt's block keys in OPEN, the tokens restored in its OK,
@@ -46,7 +46,8 @@ VERSION = 16  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device
               #     the manifest's per-tensor hashes vouched for by the coordinator;
               # 12: the head's micro-batches (groups) in OPEN; 13: flash attention in READY;
               # 14: flash attention in the invariant class too; 15: the KV cache's types in READY;
-              # 16: a model of several files (gguf-split): the manifest's splits, FETCH over their concatenation
+              # 16: a model of several files (gguf-split): the manifest's splits, FETCH over their concatenation;
+              # 17: MIRROR, a tensor-parallel group's leader to its followers
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -81,6 +82,12 @@ ERROR = "error"            # reply to anything that failed, with a code; unasked
 ACT = "act"                # -> a stage: token ids (head) or residual rows of one session, to run
 TOOK = "took"              # head, tail -> coordinator: a prompt chunk is taken / done, the next may come
 TOKEN = "token"            # tail -> coordinator: the session's next token (+ logits when asked)
+# a tensor-parallel group's plane: its leader (the route's stage) -> each follower member, on
+# their CURVE link: each engine call that changes the members' state, in the leader's order,
+# so that every member runs the same passes (their gathers meet); no answer (a follower that
+# fails breaks the group's streams, and the leader's next pass says so)
+MIRROR = "mirror"
+MIRROR_OPS = ("open", "release", "truncate", "sampling", "forward")
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FETCH_BYTES = 4 << 20   # one FETCH's bytes at most: a fetch's memory is a few of them in flight
@@ -201,6 +208,18 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "accepted": (INT, False, nonneg),         # ... and those kept (this token and the next ones follow)
         "logprob": (FLOAT, False, lambda v: v <= 0.0),   # a session opened with logprobs: this token's ...
         "top": (LIST, False, top_logprobs),       # ... and the most likely tokens': [token, logprob, piece]
+    },
+    MIRROR: {
+        "op": (STR, True, lambda v: v in MIRROR_OPS),
+        "sid": (INT, False, u64),                 # open, release, truncate, sampling
+        "n_keep": (INT, False, nonneg),           # truncate
+        "sampling": (DICT, False, sampling),      # sampling: as OPEN's (its grammar in the payload frame) ...
+        "history": (LIST, False, tokens),
+        "grammar_from": (INT, False, nonneg),
+        "entries": (LIST, False, mirror_entries),  # forward: [sid, pos, n, verify, tokens or None] each; the
+                                                  # entries without tokens (and verify ones) have n residual
+                                                  # rows each in the payload frame, in order
+        "want_logits": (BOOL, False, None),
     },
 }
 
