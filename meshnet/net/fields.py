@@ -55,15 +55,19 @@ def tokens(v):
     return all(is_int(t) and -(1 << 31) <= t < 1 << 31 for t in v)
 
 
-MAX_MIRROR_ENTRIES = 4096   # a forward pass's entries: far more than any stage's sessions
+MAX_MIRROR_ENTRIES = 4096      # a forward pass's entries: far more than any stage's sessions
+MAX_MIRROR_ROWS = 1 << 16      # an entry's rows: more than any batch the engine takes
 
 
 def mirror_entries(v):
-    """A MIRROR forward's entries: [sid, pos, n, verify, tokens or None], n >= 1, tokens of n ids."""
+    """A MIRROR forward's entries: [sid, pos, n, verify, tokens or None, rows]: n >= 1 rows
+    from position pos (both within the engine's int32), tokens n ids, rows whether n
+    residual rows come in the payload (required without tokens)."""
     return 0 < len(v) <= MAX_MIRROR_ENTRIES and all(
-        isinstance(e, list) and len(e) == 5 and is_int(e[0]) and u64(e[0]) and is_int(e[1]) and e[1] >= 0
-        and is_int(e[2]) and e[2] >= 1 and isinstance(e[3], bool)
+        isinstance(e, list) and len(e) == 6 and is_int(e[0]) and u64(e[0]) and is_int(e[1]) and 0 <= e[1] < 1 << 31
+        and is_int(e[2]) and 1 <= e[2] <= MAX_MIRROR_ROWS and isinstance(e[3], bool)
         and (e[4] is None or (isinstance(e[4], list) and len(e[4]) == e[2] and tokens(e[4])))
+        and isinstance(e[5], bool) and (e[5] or e[4] is not None)
         for e in v)
 
 

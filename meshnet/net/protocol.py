@@ -216,9 +216,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "sampling": (DICT, False, sampling),      # sampling: as OPEN's (its grammar in the payload frame) ...
         "history": (LIST, False, tokens),
         "grammar_from": (INT, False, nonneg),
-        "entries": (LIST, False, mirror_entries),  # forward: [sid, pos, n, verify, tokens or None] each; the
-                                                  # entries without tokens (and verify ones) have n residual
-                                                  # rows each in the payload frame, in order
+        "entries": (LIST, False, mirror_entries),  # forward: [sid, pos, n, verify, tokens or None, rows] each;
+                                                  # the entries with rows have n residual rows each in the
+                                                  # payload frame, in order
         "want_logits": (BOOL, False, None),
     },
 }

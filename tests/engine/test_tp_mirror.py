@@ -41,9 +41,15 @@ class Pair:
         self.following = self.pool.submit(follow, self.stages[1], self.follower_sock, self.stop, MAX_PAYLOAD)
 
     def close(self):
+        """The follower's result: it ends at the stop flag once its calls are done; one left
+        waiting at a gather the leader never reached is let go by breaking the exchange."""
+        import concurrent.futures
         self.stop.set()
-        self.exchange.break_("the test is over")
-        result = self.following.result(timeout=60)
+        try:
+            result = self.following.result(timeout=10)
+        except concurrent.futures.TimeoutError:
+            self.exchange.break_("the test is over")
+            result = self.following.result(timeout=60)
         self.pool.shutdown()
         for sock in (self.leader_sock, self.follower_sock):
             sock.close(linger=0)
@@ -93,7 +99,8 @@ def test_a_leader_whose_calls_a_follower_mirrors_gives_the_whole_models_logits_a
     try:
         got = session_calls(pair.leader, sampled=True)
     finally:
-        assert pair.close() is None   # it followed every call
+        stopped = pair.close()
+    assert stopped is None   # it followed every call
     assert len(got) == len(expected)
     for a, b in zip(expected, got):
         assert float(np.max(np.abs(a - b))) == 0.0
@@ -110,23 +117,54 @@ def test_a_middle_stage_groups_residual_rows_are_mirrored_too():
     pair = Pair(path, (1, 3))
     try:
         pair.leader.open_session(1)
-        got = pair.leader.forward([Entry(1, 0, residual=rows)]).residual
+        got = pair.leader.forward([Entry(1, 0, residual=rows)]).residual.copy()
     finally:
-        assert pair.close() is None
+        stopped = pair.close()
+    assert stopped is None
     assert float(np.max(np.abs(expected - got))) == 0.0
 
 
-def header(**fields):
-    return msgpack.packb({"v": P.VERSION, "type": P.MIRROR, "rid": 1, **fields})
+def test_a_head_groups_verify_steps_and_a_pass_both_refuse_keep_the_members_in_step():
+    """A speculating session's verify step at the head (its tokens, no rows), and a pass the
+    leader and the follower both refuse before any gather (an unknown session): the next
+    passes are still the whole model's."""
+    path = os.path.join(TEST_MODELS, "llama-dense.gguf")
+    layers = (0, 2)
+    steps = [[Entry(1, 0, tokens=np.array([1, 2, 3], dtype=np.int32))],
+             [Entry(1, 3, tokens=np.array([4, 5], dtype=np.int32), verify=True)],
+             [Entry(1, 5, tokens=np.array([6], dtype=np.int32))]]
+    with Stage(path, layers, **OPTIONS) as whole:
+        whole.open_session(1)
+        expected = [whole.forward(s).residual.copy() for s in steps]
+    pair = Pair(path, layers)
+    try:
+        pair.leader.open_session(1)
+        got = [pair.leader.forward(steps[0]).residual.copy()]
+        with pytest.raises(MeshnetError) as e:
+            pair.leader.forward([Entry(9, 0, tokens=np.array([1], dtype=np.int32))])
+        assert e.value.code == "unknown_session"
+        got += [pair.leader.forward(s).residual.copy() for s in steps[1:]]
+    finally:
+        stopped = pair.close()
+    assert stopped is None
+    for a, b in zip(expected, got):
+        assert float(np.max(np.abs(a - b))) == 0.0
+
+
+def header(rid=1, **fields):
+    return msgpack.packb({"v": P.VERSION, "type": P.MIRROR, "rid": rid, **fields})
 
 
 @pytest.mark.parametrize("frames, code", [
     ([b"\xc1 not msgpack"], "malformed"),
-    ([msgpack.packb({"v": P.VERSION, "type": P.OPEN, "rid": 1})], "bad_field"),
+    (P.encode(P.HEARTBEAT, 1), "unknown_type"),
     ([header(op="reboot")], "bad_field"),
     ([header(op="truncate", sid=1)], "bad_field"),
-    ([header(op="forward", entries=[[1, 0, 2, False, None]]), b"\0" * 12], "bad_payload"),
-    ([header(op="forward", entries=[[1, 0, 2, False, [1]]])], "bad_field"),
+    ([header(rid=2, op="open", sid=1)], "bad_field"),                      # call 1 missing
+    ([header(op="forward", entries=[[1, 0, 2, False, None, True]]), b"\0" * 12], "bad_payload"),
+    ([header(op="forward", entries=[[1, 0, 2, False, [1], False]])], "bad_field"),
+    ([header(op="forward", entries=[[1, 0, 2, False, None, False]])], "bad_field"),   # no tokens, no rows
+    ([header(op="forward", entries=[[1, 1 << 40, 1, False, [1], False]])], "bad_field"),
     ([header(op="release", sid=99)], "unknown_session"),
 ])
 def test_a_follower_given_what_it_cannot_follow_stops_with_the_reason(frames, code):
@@ -139,7 +177,7 @@ def test_a_follower_given_what_it_cannot_follow_stops_with_the_reason(frames, co
     assert isinstance(error, MeshnetError) and error.code == code
 
 
-def test_a_leader_whose_follower_has_stopped_fails_its_pass_with_the_groups_error():
+def test_a_leader_whose_follower_has_stopped_fails_its_pass_at_the_first_gather():
     pair = Pair(os.path.join(TEST_MODELS, "llama-dense.gguf"), timeout=2.0)
     try:
         pair.stop.set()
@@ -151,5 +189,22 @@ def test_a_leader_whose_follower_has_stopped_fails_its_pass_with_the_groups_erro
         with pytest.raises(MeshnetError) as e:
             pair.leader.save_session(1)
         assert e.value.code == "invalid_argument"
+    finally:
+        pair.close()
+
+
+def test_a_leader_that_cannot_send_to_a_follower_refuses_every_later_call():
+    pair = Pair(os.path.join(TEST_MODELS, "llama-dense.gguf"), timeout=2.0)
+    try:
+        pair.stop.set()   # the follower reads no more: its queue fills
+        assert pair.following.result(timeout=60) is None
+        with pytest.raises(MeshnetError) as e:
+            for sid in range(1, 100_000):
+                pair.leader.open_session(sid)
+                pair.leader.release_session(sid)
+        assert e.value.code == "tp_exchange" and "out of step" in e.value.message
+        with pytest.raises(MeshnetError) as again:
+            pair.leader.open_session(1)
+        assert again.value.message == e.value.message
     finally:
         pair.close()
