@@ -128,9 +128,10 @@ class Route:
         return out
 
 
-@pytest.mark.parametrize("arch", TP_ARCHS)
-def test_a_route_of_two_groups_of_two_gives_the_whole_models_logits(arch):
-    path = generated(arch)
+@pytest.mark.parametrize("arch", TP_ARCHS + ("smollm2", "gemma3 270M", "qwen 1.5B"))
+def test_a_route_of_two_groups_of_two_gives_the_whole_models_logits(arch, request):
+    real = {"smollm2": "smollm2_path", "gemma3 270M": "gemma3_path", "qwen 1.5B": "qwen_path"}
+    path = request.getfixturevalue(real[arch]) if arch in real else generated(arch)
     prompts = {1: [1, 5, 9, 13, 17], 2: [2, 4, 8], 3: [7, 7, 7, 7, 7, 7, 7], 4: [3, 30, 60, 90]}
     with Stage(path, **OPTIONS) as whole:
         expected = passes(whole, prompts, steps=3)
