@@ -75,10 +75,18 @@ from meshnet.launch.progress import load_bars
                    "at once instead of after an idle CPU wakes (0: always sleep) [default: 50 when --threads uses at "
                    "most half the CPUs, so no stage beside it computes where it spins; else 0]")
 @prefix_cache_option
+@click.option("--tp", default=None, callback=usage_error(lambda v: None if v is None else _parse_tp(v)),
+              help="RANK/SIZE: this worker is a member of a tensor-parallel group of 2 (each member holds half of every "
+                   "layer of the range): 0/2 leads it, as the route's stage, with --tp-bind; 1/2 follows its leader "
+                   "(--tp-leader) and talks to nobody else")
+@click.option("--tp-bind", default=None, help="the group's leader: where its follower joins, e.g. tcp://10.0.0.1:5560")
+@click.option("--tp-leader", default=None, help="a follower: its leader's --tp-bind address")
+@click.option("--tp-peer-key", "tp_peer_key_file", default=None,
+              help="the other member's public key (NAME.key): a leader's follower's, a follower's leader's")
 def worker(join_token, join_file, discover, coordinator, model, layers, mem, threads, n_ctx, max_sessions, kv_pool,
            max_queue,
            data_bind, cpu, heartbeat_interval, heartbeat_liveness, secret_file, coordinator_key_file, insecure, gpu,
-           numerics, flash_attn, kv_type, trace, spin_ms, prefix_cache_mib):
+           numerics, flash_attn, kv_type, trace, spin_ms, prefix_cache_mib, tp, tp_bind, tp_leader, tp_peer_key_file):
     """Serve one layer range of a model to a coordinator until SIGTERM."""
     from meshnet.net import addresses, security
     from meshnet.net.join import MAX_TOKEN_CHARS
@@ -87,6 +95,9 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
     from meshnet.engine.gguf_layout import read_layout
     from meshnet.stage.worker import StageWorker
 
+    group = _group_options(tp, tp_bind, tp_leader, tp_peer_key_file, secret_file, insecure)
+    if group is not None and group.rank > 0:
+        _follow(group, model, secret_file, threads)
     context = click.get_current_context()
     if join_file is not None:
         if context.get_parameter_source("join_token").name == "COMMANDLINE":
@@ -138,7 +149,7 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
                               data_bind=data_bind, cpu=cpu, mem=mem, gpu=gpu, numerics=numerics, flash_attn=flash_attn,
                               kv_type=kv_type, trace=trace, spin_ms=spin_ms, prefix_cache_mib=prefix_cache_mib, keys=joined.keys,
                               coordinator_key=joined.coordinator_key, fetch=joined.fetch,
-                              weights=holder.endpoint if holder is not None else None,
+                              weights=holder.endpoint if holder is not None else None, group=group,
                               **given(max_queue=max_queue, heartbeat_interval=heartbeat_interval,
                                       heartbeat_liveness=heartbeat_liveness))
         status = StageWorker(config).run()
@@ -148,6 +159,54 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
         fail(e)
     if holder is not None:
         holder.close()
+    sys.exit(status)
+
+
+def _parse_tp(text: str) -> tuple[int, int]:
+    rank, sep, size = text.partition("/")
+    if not sep or not rank.isdigit() or size != "2" or int(rank) > 1:
+        raise ValueError(f"--tp {text!r}: a group is of 2 members here: 0/2 (the leader) or 1/2 (its follower)")
+    return int(rank), 2
+
+
+def _group_options(tp, bind, leader, peer_key_file, secret_file, insecure):
+    """--tp and its companions, checked: a tensor-parallel member's GroupOptions, or None."""
+    from meshnet.net import addresses, security
+    from meshnet.stage.tp_member import GroupOptions
+
+    if tp is None:
+        if bind or leader or peer_key_file:
+            raise click.UsageError("--tp-bind, --tp-leader and --tp-peer-key go with --tp")
+        return None
+    rank, size = tp
+    if rank == 0 and (not bind or leader):
+        raise click.UsageError("--tp 0/2 leads the group: give --tp-bind (where its follower joins), not --tp-leader")
+    if rank > 0 and (not leader or bind):
+        raise click.UsageError("--tp 1/2 follows a leader: give --tp-leader (its --tp-bind), not --tp-bind")
+    if (secret_file is None) != (peer_key_file is None):
+        raise click.UsageError("a keyed member needs the other's public key: --secret and --tp-peer-key go together")
+    endpoint = bind or leader
+    addresses.checked(endpoint, "--tp-bind" if bind else "--tp-leader")
+    refuse_open_without_keys("--tp-bind" if bind else "--tp-leader", endpoint, secret_file, insecure)
+    peer_key = security.load_public(peer_key_file) if peer_key_file else None
+    return GroupOptions(rank, size, bind=bind, leader=leader, peer_key=peer_key)
+
+
+def _follow(group, model, secret_file, threads) -> None:
+    """meshnet worker --tp 1/2: a follower's whole life (stage/tp_member.py), then exit."""
+    from meshnet.engine.binding import default_threads
+    from meshnet.engine.gguf_layout import read_layout
+    from meshnet.net import security
+    from meshnet.stage.tp_member import run_follower
+
+    try:
+        keys = security.load_secret(secret_file) if secret_file else None
+        path, sha256 = models.resolve(model)
+        layout = read_layout(path)
+        max_payload = 2 * defaults.N_BATCH * layout.n_embd * 4
+        status = run_follower(group, keys, str(path), sha256, threads or default_threads(False), max_payload)
+    except MeshnetError as e:
+        fail(e)
     sys.exit(status)
 
 

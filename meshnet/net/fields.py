@@ -71,6 +71,16 @@ def mirror_entries(v):
         for e in v)
 
 
+# what a group's leader tells its follower of the stage it is to load (stage/tp_member.py)
+_STAGE_OPTIONS = {"n_ctx": int, "max_sessions": int, "n_batch": int, "pool_cells": int, "numerics": str,
+                  "flash_attn": bool, "kv_type": str}
+
+
+def stage_options(v):
+    return all(k in _STAGE_OPTIONS and type(x) is _STAGE_OPTIONS[k] and (not isinstance(x, int) or 0 <= x < 1 << 31)
+               for k, x in v.items())
+
+
 def block_keys(v):
     return len(v) <= MAX_BLOCKS and all(is_int(k) and 0 <= k <= U64_MAX for k in v)
 

@@ -31,7 +31,7 @@ from meshnet.core.logprobs import MAX_TOP
 from meshnet.core.sampling import MAX_GRAMMAR_BYTES, Sampling
 from meshnet.net.fields import (BOOL, DICT, FLOAT, INT, LIST, STR, ProtocolError, at_most, block_keys, checked,
                                 curve_key, endpoint, is_int, layer_range, mirror_entries, nonneg, positive, sampling,
-                                seams, tokens, top_logprobs, u64)
+                                seams, sha256, stage_options, tokens, top_logprobs, u64)
 
 VERSION = 17  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device in READY;
               # 4: the text requests' bulk (text, tokens, messages) and their answers in a payload frame;
@@ -47,7 +47,7 @@ VERSION = 17  # 2: sampling and history in OPEN, TEMPLATE; 3: the stage's device
               # 12: the head's micro-batches (groups) in OPEN; 13: flash attention in READY;
               # 14: flash attention in the invariant class too; 15: the KV cache's types in READY;
               # 16: a model of several files (gguf-split): the manifest's splits, FETCH over their concatenation;
-              # 17: MIRROR, a tensor-parallel group's leader to its followers
+              # 17: a tensor-parallel group's leader and follower: GROUP_JOIN, GROUP_WELCOME, MIRROR
 
 # message types
 READY = "ready"            # worker -> coordinator: here I am, with my capability
@@ -88,6 +88,8 @@ TOKEN = "token"            # tail -> coordinator: the session's next token (+ lo
 # fails breaks the group's streams, and the leader's next pass says so)
 MIRROR = "mirror"
 MIRROR_OPS = ("open", "release", "truncate", "sampling", "forward")
+GROUP_JOIN = "group_join"        # follower -> leader, first: its rank, the group's size, its model file's sha256
+GROUP_WELCOME = "group_welcome"  # leader -> follower: the stream's endpoint, the layers, the stage's options
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FETCH_BYTES = 4 << 20   # one FETCH's bytes at most: a fetch's memory is a few of them in flight
@@ -209,6 +211,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
         "logprob": (FLOAT, False, lambda v: v <= 0.0),   # a session opened with logprobs: this token's ...
         "top": (LIST, False, top_logprobs),       # ... and the most likely tokens': [token, logprob, piece]
     },
+    GROUP_JOIN: {"rank": (INT, True, positive), "size": (INT, True, lambda v: 2 <= v <= 64),
+                 "model": (STR, False, sha256)},
+    GROUP_WELCOME: {"endpoint": (STR, True, endpoint), "layers": (LIST, True, layer_range),
+                    "options": (DICT, True, stage_options)},
     MIRROR: {
         "op": (STR, True, lambda v: v in MIRROR_OPS),
         "sid": (INT, False, u64),                 # open, release, truncate, sampling

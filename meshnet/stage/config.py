@@ -66,6 +66,7 @@ class WorkerConfig:
     # where this process serves the file's bytes to the others (weights/holder.Holder)
     fetch: object | None = None
     weights: str | None = None
+    group: object | None = None            # --tp 0/2: this worker leads a tensor-parallel group (tp_member.GroupOptions)
 
     def max_queue_for(self, n_sessions: int) -> int:
         """Steps that may wait on the stage before it answers "busy": as given, else room

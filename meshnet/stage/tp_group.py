@@ -98,6 +98,21 @@ class GroupLink:
         self.figures = measure(self.engine_link(), self.rank, self.size)
         return self.figures
 
+    def lost(self) -> str | None:
+        """Why a member's stream is gone (its end closed it: the process ended), or None.
+        It only peeks: rows that came early stay for the engine's gather."""
+        for peer, sock in enumerate(self.sockets):
+            if sock is None:
+                continue
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return f"member {peer} closed its stream"
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                return f"member {peer}'s stream failed ({e.strerror})"
+        return None
+
     @property
     def sealed(self) -> bool:
         return self.keys is not None

@@ -104,7 +104,12 @@ class GroupStage:
                 rows.append(np.ascontiguousarray(e.residual, dtype="<f4"))
         payload = np.concatenate(rows).data if rows else None
         self._send("forward", payload, entries=wire, want_logits=want_logits)
-        return self.stage.forward(entries, want_logits)
+        try:
+            return self.stage.forward(entries, want_logits)
+        except MeshnetError as e:
+            if e.code == E.TP_EXCHANGE:
+                self.broken = e.message   # the streams may be out of step: the group is done
+            raise
 
     def save_session(self, session_id: int) -> bytes:
         raise MeshnetError(E.INVALID_ARGUMENT, "a tensor-parallel group keeps no prefix memory (each member's is its "
@@ -164,13 +169,17 @@ def apply(stage: Stage, msg: P.Message) -> None:
             log.info("a mirrored pass failed here as on the leader: %s", e)
 
 
-def follow(stage: Stage, sock: zmq.Socket, stop: threading.Event, max_payload: int) -> MeshnetError | None:
+def follow(stage: Stage, sock: zmq.Socket, stop: threading.Event, max_payload: int,
+           alive=lambda: True) -> MeshnetError | None:
     """A follower member: the leader's calls on SOCK, made on STAGE in order, until STOP is
     set (None) or one cannot be followed (the error, after which the group is broken: the
-    caller closes the member's streams)."""
+    caller closes the member's streams). ALIVE, asked while no call comes: whether the
+    leader still is (its stream open)."""
     last = 0
     while not stop.is_set():
         if not sock.poll(POLL_MS):
+            if not alive():
+                return MeshnetError(E.TP_EXCHANGE, "the group's leader is gone (its stream closed)")
             continue
         frames, why = P.recv_frames(sock, 2, max_payload + P.MAX_HEADER_BYTES)
         try:

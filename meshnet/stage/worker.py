@@ -44,6 +44,8 @@ from meshnet.stage.link import CoordinatorLink
 from meshnet.stage.jobs import SESSION_FAILED, Job, JobKind
 from meshnet.stage.loop import StageLoop
 from meshnet.stage.prefix_store import PrefixStore, store_capacity, store_refusal
+from meshnet.stage.tp_member import LeaderGroup
+from meshnet.stage.tp_mirror import GroupStage
 
 log = logging.getLogger("meshnet.stage.worker")
 
@@ -96,6 +98,8 @@ class StageWorker:
         self.load_seconds: float | None = None    # ... and how long the last load took
         self.worker_id = uuid.uuid4().hex
         self.gatekeeper: Gatekeeper | None = None
+        self.group: LeaderGroup | None = None          # a tensor-parallel leader's follower (--tp 0/2)
+        self.group_error: MeshnetError | None = None   # why its group broke: the worker leaves the route
         self.load_error: MeshnetError | None = None   # why the range of --layers did not load: the worker exits
         self.fetch_progress: float | None = None   # the bytes fetched of the range's (0 to 1), while fetching
         if config.layers is not None:
@@ -157,11 +161,17 @@ class StageWorker:
                 time.sleep(TEST_SLOW_LOAD_S)
         began = time.monotonic()
         self.load_progress = 0.0
-        stage = Stage(config.model_path, layers, n_ctx=config.n_ctx, max_sessions=config.max_sessions,
-                      n_batch=config.n_batch, n_threads=config.n_threads, gpu=config.gpu,
-                      numerics=config.numerics_class, flash_attn=config.flash_attn, progress=progress,
-                      pool_cells=self._pool_for(layers), kv_type=config.kv_type,
-                      thread_poll=config.thread_poll_on(len(os.sched_getaffinity(0))))
+        options = dict(n_ctx=config.n_ctx, max_sessions=config.max_sessions, n_batch=config.n_batch,
+                       numerics=config.numerics_class, flash_attn=config.flash_attn,
+                       pool_cells=self._pool_for(layers), kv_type=config.kv_type)
+        group = {}
+        if config.group is not None:
+            # a tensor-parallel leader: its follower joined and linked first (stage/tp_member.py)
+            self.group = LeaderGroup(config.group, config.keys, config.model_sha256, tuple(layers), options,
+                                     2 * self.max_payload)
+            group = dict(tp=(0, 2), tp_link=self.group.link.engine_link())
+        stage = Stage(config.model_path, layers, n_threads=config.n_threads, gpu=config.gpu, progress=progress,
+                      thread_poll=config.thread_poll_on(len(os.sched_getaffinity(0))), **options, **group)
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "
@@ -287,11 +297,13 @@ class StageWorker:
             self.gatekeeper = self.gatekeeper or Gatekeeper(self.ctx, {self.config.coordinator_key})
             curve = DataCurve(self.config.keys, self.config.coordinator_key, self.gatekeeper)
         timeline = Timeline(LayerRange(info.layer_start, info.layer_end).label) if self.config.trace else None
-        self.loop = StageLoop(stage, self.ctx, self.results_endpoint, self.config.data_bind,
+        # a group's leader: every call that changes its stage goes to its follower too
+        self.loop = StageLoop(GroupStage(stage, [self.group.control]) if self.group else stage,
+                              self.ctx, self.results_endpoint, self.config.data_bind,
                               self.config.max_queue_for(info.max_sessions),
                               self.max_payload, test_fault=TEST_FAULT, cpu=self.config.cpu, curve=curve,
                               timeline=timeline, spin_ms=self.config.spin_ms_on(len(os.sched_getaffinity(0))),
-                              prefix_store=self._prefix_store(info),
+                              prefix_store=None if self.group else self._prefix_store(info),
                               # drafts need every stage of the model to drop the rows it refuses
                               rolls_back=not any(m.state_bytes for m in layer_memory(self.config.model_path)))
         self.capability["data_endpoint"] = advertised(self.loop.data_endpoint, self.config.coordinator)
@@ -571,10 +583,24 @@ class StageWorker:
                 self._announce()  # dropped unless connected
             if pacer.due():
                 self._send(P.encode(P.HEARTBEAT, 0))
+                if self._group_broken():
+                    break
         self._stop()
-        if self.load_error is not None:
-            raise self.load_error
+        for error in (self.load_error, self.group_error):
+            if error is not None:
+                raise error
         return 0
+
+    def _group_broken(self) -> bool:
+        """A leader whose follower is gone, or whose group's passes failed, leaves the route
+        (GOODBYE): the coordinator then fails its sessions over as for any lost stage."""
+        if self.group is None or self.loop is None:
+            return False
+        why = self.group.lost() or self.loop.stage.broken
+        if why:
+            self.group_error = MeshnetError(E.TP_EXCHANGE, f"this worker's tensor-parallel group broke: {why}")
+            print(f"meshnet worker: {self.group_error.message}; leaving the route", file=sys.stderr, flush=True)
+        return bool(why)
 
     def _watch_link(self) -> None:
         self.poller.register(self.link.dealer, zmq.POLLIN)
@@ -596,4 +622,6 @@ class StageWorker:
         self.ctx.term()
         if self.stage is not None:
             self.stage.close()
+        if self.group is not None:
+            self.group.close()
         return 0

@@ -1,0 +1,76 @@
+"""Tensor-parallel groups as route stages, in worker processes (meshnet worker --tp): a leader
+that is the route's stage and a follower that mirrors it give the whole model's tokens; a
+follower's end takes its leader out of the route with the reason."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from meshnet.engine.pipeline import LocalPipeline
+
+from conftest import THREADS, last_json_line, track
+from peers import free_port
+
+
+def member(*args):
+    return track(subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--threads", str(THREADS),
+                                   *args], stderr=subprocess.PIPE, text=True))
+
+
+def test_a_route_whose_first_stage_is_a_group_of_two_gives_the_whole_models_tokens(smollm2_path):
+    prompt = "The capital of France is"
+    port = free_port(3)
+    address, data, group = (f"tcp://127.0.0.1:{port + i}" for i in range(3))
+    coordinator = track(subprocess.Popen(
+        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--prompt", prompt,
+         "--max-tokens", "12", "--json", "--wait", "120", "--data-bind", data, "--insecure"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    leader = member("--coordinator", address, "--layers", "0:15", "--tp", "0/2", "--tp-bind", group)
+    follower = member("--tp", "1/2", "--tp-leader", group)
+    tail = member("--coordinator", address, "--layers", "15:30")
+    workers = (leader, follower, tail)
+    try:
+        out, err = coordinator.communicate(timeout=240)
+        assert coordinator.returncode == 0, err[-2000:]
+        report = last_json_line(out)
+        with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
+            assert report["tokens"] == whole.generate(whole.head.tokenize(prompt), 12).tokens
+        assert [s["stage"] for s in report["stages"]] == ["[0,15)", "[15,30)"]
+        # the leader holds its half of the layers' weights: less than the tail's 15 layers
+        leader_bytes, tail_bytes = (s["model_bytes"] for s in report["stages"])
+        assert leader_bytes < tail_bytes, report["stages"]
+        # the follower goes when its leader does, saying why
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) != 0
+        assert "leader is gone" in follower.stderr.read()
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_a_leader_whose_follower_ends_leaves_the_route_with_the_reason(smollm2_path):
+    port = free_port(2)
+    address, group = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    # a coordinator's address nobody answers: the leader keeps trying it, and keeps its group
+    leader = member("--coordinator", address, "--layers", "0:30", "--tp", "0/2", "--tp-bind", group)
+    follower = member("--tp", "1/2", "--tp-leader", group)
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = leader.stderr.readline()
+            lines.append(line)
+            if "member 1 linked" in line or not line:
+                break
+        assert any("member 1 linked" in line for line in lines), lines
+        follower.kill()   # (the leader may still be loading its share: it notices once it serves)
+        assert leader.wait(timeout=60) != 0
+        rest = leader.stderr.read()
+        assert "tensor-parallel group broke" in rest and "member 1" in rest, rest[-2000:]
+    finally:
+        for proc in (leader, follower):
+            if proc.poll() is None:
+                proc.kill()
