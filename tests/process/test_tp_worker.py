@@ -74,3 +74,40 @@ def test_a_leader_whose_follower_ends_leaves_the_route_with_the_reason(smollm2_p
         for proc in (leader, follower):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_keyed_group_admits_only_its_members_key_and_gives_the_whole_models_tokens(smollm2_path, tmp_path):
+    from meshnet.net import security
+    for name in ("coordinator", "leader", "follower", "tail", "stranger"):
+        security.generate(tmp_path, name)
+    (tmp_path / "allowed").mkdir()
+    for name in ("leader", "tail"):
+        (tmp_path / "allowed" / f"{name}.key").write_bytes((tmp_path / f"{name}.key").read_bytes())
+    key = lambda name, secret=False: str(tmp_path / f"{name}.key{'_secret' if secret else ''}")
+    prompt = "Water boils at a temperature of"
+    port = free_port(3)
+    address, data, group = (f"tcp://127.0.0.1:{port + i}" for i in range(3))
+    coordinator = track(subprocess.Popen(
+        [sys.executable, "-m", "meshnet.cli.main", "coordinator", "--bind", address, "--prompt", prompt,
+         "--max-tokens", "8", "--json", "--wait", "120", "--data-bind", data, "--secret", key("coordinator", True),
+         "--allow", str(tmp_path / "allowed")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    keyed = lambda name: ("--secret", key(name, True), "--coordinator-key", key("coordinator"))
+    leader = member("--coordinator", address, "--layers", "0:15", *keyed("leader"), "--tp", "0/2", "--tp-bind", group,
+                    "--tp-peer-key", key("follower"))
+    # a member with the leader's address and key, but not the key the leader admits: refused
+    stranger = member("--tp", "1/2", "--tp-leader", group, "--secret", key("stranger", True),
+                      "--tp-peer-key", key("leader"))
+    follower = member("--tp", "1/2", "--tp-leader", group, "--secret", key("follower", True),
+                      "--tp-peer-key", key("leader"))
+    tail = member("--coordinator", address, "--layers", "15:30", *keyed("tail"))
+    try:
+        out, err = coordinator.communicate(timeout=240)
+        assert coordinator.returncode == 0, err[-2000:]
+        with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
+            assert last_json_line(out)["tokens"] == whole.generate(whole.head.tokenize(prompt), 8).tokens
+        assert stranger.poll() is None   # still waiting for a welcome that never comes
+    finally:
+        for proc in (leader, stranger, follower, tail):
+            if proc.poll() is None:
+                proc.kill()
