@@ -96,8 +96,16 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
     from meshnet.stage.worker import StageWorker
 
     group = _group_options(tp, tp_bind, tp_leader, tp_peer_key_file, secret_file, insecure)
-    if group is not None and group.rank > 0:
-        _follow(group, model, secret_file, threads)
+    if group is not None:
+        # a group's members hold their sessions alike: one range, known before either loads,
+        # the same kernels (the baseline class changes them process-wide), on the CPU
+        if gpu or numerics == "baseline" or join_token or join_file or discover:
+            raise click.UsageError("--tp groups run on the CPU in the stock or invariant class, with --secret keys "
+                                   "(not --gpu, --numerics baseline, --join or --discover)")
+        if group.rank == 0 and layers is None:
+            raise click.UsageError("--tp 0/2 leads a group over a range it knows: --layers A:B, not auto")
+        if group.rank > 0:
+            _follow(group, model, secret_file, threads)
     context = click.get_current_context()
     if join_file is not None:
         if context.get_parameter_source("join_token").name == "COMMANDLINE":
@@ -165,7 +173,8 @@ def worker(join_token, join_file, discover, coordinator, model, layers, mem, thr
 def _parse_tp(text: str) -> tuple[int, int]:
     rank, sep, size = text.partition("/")
     if not sep or not rank.isdigit() or size != "2" or int(rank) > 1:
-        raise ValueError(f"--tp {text!r}: a group is of 2 members here: 0/2 (the leader) or 1/2 (its follower)")
+        raise MeshnetError(errors.INVALID_ARGUMENT, f"{text!r}: a group is of 2 members here: 0/2 (the leader) or "
+                           "1/2 (its follower)")
     return int(rank), 2
 
 
@@ -202,9 +211,8 @@ def _follow(group, model, secret_file, threads) -> None:
     try:
         keys = security.load_secret(secret_file) if secret_file else None
         path, sha256 = models.resolve(model)
-        layout = read_layout(path)
-        max_payload = 2 * defaults.N_BATCH * layout.n_embd * 4
-        status = run_follower(group, keys, str(path), sha256, threads or default_threads(False), max_payload)
+        status = run_follower(group, keys, str(path), sha256, threads or default_threads(False),
+                              read_layout(path).n_embd)
     except MeshnetError as e:
         fail(e)
     sys.exit(status)

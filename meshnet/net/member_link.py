@@ -215,8 +215,19 @@ def _handshake(sock: socket.socket, binder: bool, rank: int, peer_rank: int, key
     return key
 
 
+# a member whose host is gone (power, network) sends no FIN: its peer's kernel probes the
+# idle stream after KEEPALIVE_IDLE_S and gives up after KEEPALIVE_PROBES unanswered probes,
+# and the stream then reads as failed (GroupLink.lost, the engine's next gather)
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+
+
 def _tune(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, option):   # (Linux's names)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     sock.settimeout(None)
     return sock
 

@@ -170,8 +170,16 @@ class StageWorker:
             self.group = LeaderGroup(config.group, config.keys, config.model_sha256, tuple(layers), options,
                                      2 * self.max_payload)
             group = dict(tp=(0, 2), tp_link=self.group.link.engine_link())
-        stage = Stage(config.model_path, layers, n_threads=config.n_threads, gpu=config.gpu, progress=progress,
-                      thread_poll=config.thread_poll_on(len(os.sched_getaffinity(0))), **options, **group)
+        try:
+            stage = Stage(config.model_path, layers, n_threads=config.n_threads, gpu=config.gpu, progress=progress,
+                          thread_poll=config.thread_poll_on(len(os.sched_getaffinity(0))), **options, **group)
+            if self.group is not None:
+                self.group.wait_loaded(2 * self.max_payload)
+        except BaseException:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            raise
         self.load_seconds = round(time.monotonic() - began, 3)
         info = stage.info()
         print(f"meshnet worker: loaded layers {label}: {format_size(info.model_bytes)} of weights, "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from meshnet.engine.binding import Stage
 from meshnet.engine.pipeline import LocalPipeline
 
 from conftest import THREADS, last_json_line, track
@@ -16,6 +17,21 @@ from peers import free_port
 def member(*args):
     return track(subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "worker", "--threads", str(THREADS),
                                    *args], stderr=subprocess.PIPE, text=True))
+
+
+def said_within(proc, words: str, timeout: float) -> str:
+    """PROC's stderr up to the line with WORDS, or all it said in TIMEOUT seconds."""
+    import selectors
+    said, deadline = "", time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while words not in said and time.monotonic() < deadline:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = proc.stderr.readline()
+                if not line:
+                    break
+                said += line
+    return said
 
 
 def test_a_route_whose_first_stage_is_a_group_of_two_gives_the_whole_models_tokens(smollm2_path):
@@ -37,9 +53,9 @@ def test_a_route_whose_first_stage_is_a_group_of_two_gives_the_whole_models_toke
         with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
             assert report["tokens"] == whole.generate(whole.head.tokenize(prompt), 12).tokens
         assert [s["stage"] for s in report["stages"]] == ["[0,15)", "[15,30)"]
-        # the leader holds its half of the layers' weights: less than the tail's 15 layers
-        leader_bytes, tail_bytes = (s["model_bytes"] for s in report["stages"])
-        assert leader_bytes < tail_bytes, report["stages"]
+        # the leader holds its half of each layer's weights (the token embeddings whole)
+        with Stage(smollm2_path, (0, 15), n_ctx=256, max_sessions=1) as alone:
+            assert report["stages"][0]["model_bytes"] < 0.75 * alone.info().model_bytes, report["stages"]
         # the follower goes when its leader does, saying why
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=60) == 0
@@ -58,18 +74,13 @@ def test_a_leader_whose_follower_ends_leaves_the_route_with_the_reason(smollm2_p
     leader = member("--coordinator", address, "--layers", "0:30", "--tp", "0/2", "--tp-bind", group)
     follower = member("--tp", "1/2", "--tp-leader", group)
     try:
-        deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:
-            line = leader.stderr.readline()
-            lines.append(line)
-            if "member 1 linked" in line or not line:
-                break
-        assert any("member 1 linked" in line for line in lines), lines
+        said = said_within(leader, "member 1 linked", 120)
+        assert "member 1 linked" in said, said[-2000:]
         follower.kill()   # (the leader may still be loading its share: it notices once it serves)
         assert leader.wait(timeout=60) != 0
         rest = leader.stderr.read()
-        assert "tensor-parallel group broke" in rest and "member 1" in rest, rest[-2000:]
+        # (killed while it loads its share, or once both serve: the leader says which)
+        assert "tp_exchange" in rest and "member 1" in rest and "closed its stream" in rest, rest[-2000:]
     finally:
         for proc in (leader, follower):
             if proc.poll() is None:
@@ -107,7 +118,28 @@ def test_a_keyed_group_admits_only_its_members_key_and_gives_the_whole_models_to
         with LocalPipeline(smollm2_path, [(0, 30)], n_ctx=2048, max_sessions=1, n_threads=THREADS) as whole:
             assert last_json_line(out)["tokens"] == whole.generate(whole.head.tokenize(prompt), 8).tokens
         assert stranger.poll() is None   # still waiting for a welcome that never comes
+        assert "following the leader" in said_within(follower, "following the leader", 60)
+        stranger.kill()
+        assert "following the leader" not in stranger.communicate(timeout=30)[1]
     finally:
         for proc in (leader, stranger, follower, tail):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_what_a_group_cannot_be_is_a_usage_error_before_anything_loads():
+    group = "tcp://127.0.0.1:9"
+    for args, why in [
+        (["--coordinator", "tcp://127.0.0.1:9", "--layers", "0:15", "--tp", "0/3", "--tp-bind", group], "0/2"),
+        (["--coordinator", "tcp://127.0.0.1:9", "--layers", "0:15", "--tp", "0/2"], "--tp-bind"),
+        (["--tp", "1/2", "--tp-bind", group], "--tp-leader"),
+        (["--coordinator", "tcp://127.0.0.1:9", "--layers", "auto", "--mem", "1G", "--tp", "0/2", "--tp-bind", group],
+         "not auto"),
+        (["--coordinator", "tcp://127.0.0.1:9", "--layers", "0:15", "--gpu", "--tp", "0/2", "--tp-bind", group],
+         "on the CPU"),
+        (["--tp", "1/2", "--tp-leader", group, "--tp-peer-key", "a.key"], "go together"),
+        (["--tp", "1/2", "--tp-leader", "tcp://10.0.0.1:9"], "--insecure"),
+    ]:
+        result = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "worker", *args], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 2 and why in result.stderr, (args, result.stderr[-1000:])
