@@ -113,10 +113,6 @@ class GroupLink:
                 return f"member {peer}'s stream failed ({e.strerror})"
         return None
 
-    @property
-    def sealed(self) -> bool:
-        return self.keys is not None
-
     def close(self) -> None:
         """This side's sockets closed (the engine's link holds its own copies of them, closed
         when the link is freed: a stage still using it keeps the streams open)."""
