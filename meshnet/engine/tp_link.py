@@ -39,14 +39,14 @@ def engine_link(rank: int, size: int, sockets: Sequence, keys: Sequence[bytes | 
     libsodium's chacha20poly1305_ietf) every row is sealed with KEYS[r], the key shared with
     member r."""
     lib = library()
-    # the link's own descriptors: the caller may close its sockets while a stage still runs
-    # on the link, and a number reused by another connection must never receive rows
-    owned = [-1 if s is None else os.dup(s.fileno()) for s in sockets]
-    fds = _ffi.new("int32_t[]", owned)
     sealed = cipher is not None
     if sealed and (keys is None or len(keys) != size or
                    any(len(k or b"") != 32 for r, k in enumerate(keys) if r != rank)):
         raise MeshnetError(errors.BAD_KEY, f"member {rank} needs a 32-byte key for each other member to seal its rows")
+    # the link's own descriptors: the caller may close its sockets while a stage still runs
+    # on the link, and a number reused by another connection must never receive rows
+    owned = [-1 if s is None else os.dup(s.fileno()) for s in sockets]
+    fds = _ffi.new("int32_t[]", owned)
     key_bytes = _ffi.new("uint8_t[]", b"".join((k or bytes(32)) if r != rank else bytes(32)
                                                for r, k in enumerate(keys)) if sealed else b"\0")
     seal = _ffi.cast("meshnet_tp_seal_fn", cipher[0]) if sealed else _ffi.NULL
